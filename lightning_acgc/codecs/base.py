@@ -1,0 +1,75 @@
+"""What a saved tensor becomes: the :class:`Packed` container and the codec protocol."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["Codec", "Packed", "span_nbytes", "storage_nbytes"]
+
+
+def storage_nbytes(t: torch.Tensor) -> int:
+    """Bytes of the storage behind ``t`` (what keeping ``t`` alive costs)."""
+    if t.is_sparse:
+        return sum(storage_nbytes(x) for x in (t._indices(), t._values()))
+    return t.untyped_storage().nbytes()
+
+
+def span_nbytes(t: torch.Tensor) -> int:
+    """Bytes of memory the strided view ``t`` spans (its own data, not the whole storage;
+    an expanded dimension of stride 0 counts once)."""
+    if t.numel() == 0:
+        return 0
+    span = 1 + sum(
+        (size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True)
+    )
+    return span * t.element_size()
+
+
+@dataclass
+class Packed:
+    """A saved tensor in compressed form.
+
+    Args:
+        codec: name of the codec that wrote it (the registry key that decodes it).
+        shape: shape of the original tensor.
+        dtype: dtype of the original tensor.
+        payload: every tensor the codec keeps; their storages are the bytes kept.
+        meta: small Python values (seed, bits, bound) needed to decode.
+    """
+
+    codec: str
+    shape: torch.Size
+    dtype: torch.dtype
+    payload: dict[str, torch.Tensor]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the payload tensors (distinct storages counted once)."""
+        seen: dict[int, int] = {}
+        for t in self.payload.values():
+            seen[t.untyped_storage().data_ptr()] = storage_nbytes(t)
+        return sum(seen.values())
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the payload (and of the decoded tensor)."""
+        return next(iter(self.payload.values())).device
+
+
+@runtime_checkable
+class Codec(Protocol):
+    """Turns a tensor into a :class:`Packed` and back.
+
+    ``encode`` returns ``None`` for a tensor the codec cannot take; the engine then
+    keeps that tensor as it is.
+    """
+
+    name: ClassVar[str]
+
+    def encode(self, x: torch.Tensor, seed: int) -> Packed | None: ...
+
+    def decode(self, packed: Packed) -> torch.Tensor: ...

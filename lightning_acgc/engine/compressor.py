@@ -1,0 +1,277 @@
+"""The saved-tensor hooks: every tensor autograd saves is packed by the site's codec."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_acgc.codecs.base import Codec, Packed, span_nbytes
+from lightning_acgc.codecs.mask import MaskCodec, MaskConfig
+from lightning_acgc.engine.meter import CompressionStats, SiteRecord
+from lightning_acgc.engine.sites import ModuleTracker, SiteInfo, is_leaf_parameter
+
+__all__ = ["OOM_MESSAGE", "ActivationCompressor", "MemoryBudgetError"]
+
+# Lightning's ``is_oom_error`` recognizes a RuntimeError with this text (CPU allocator).
+OOM_MESSAGE = "DefaultCPUAllocator: can't allocate memory"
+_MASK64 = (1 << 64) - 1
+
+
+class MemoryBudgetError(RuntimeError):
+    """Raised when a step's live saved bytes would pass ``memory_budget``. Its message
+    contains the CPU allocator's out-of-memory text so that Lightning's batch-size
+    tuner treats it as an out-of-memory error."""
+
+
+def _mix(*values: int) -> int:
+    """splitmix64 over the values: a well-spread 63-bit seed."""
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = (h ^ (v & _MASK64)) * 0xBF58476D1CE4E5B9 & _MASK64
+        h = (h ^ (h >> 31)) * 0x94D049BB133111EB & _MASK64
+        h ^= h >> 29
+    return h & 0x7FFF_FFFF_FFFF_FFFF
+
+
+class _Saved:
+    """What autograd holds instead of a compressed tensor."""
+
+    __slots__ = ("__weakref__", "codec", "packed")
+
+    def __init__(self, packed: Packed, codec: Codec) -> None:
+        self.packed = packed
+        self.codec = codec
+
+
+class ActivationCompressor:
+    """Packs saved activations with a policy's codecs and counts the bytes.
+
+    Used through :func:`lightning_acgc.compress_activations` from plain PyTorch, or by
+    the Lightning adapter, which calls :meth:`install` on fit start, :meth:`scope`
+    around each training step and :meth:`remove` on fit end.
+
+    Args:
+        policy: chooses each site's codec (see :class:`lightning_acgc.policies.Policy`).
+        model: the model whose modules name the sites; ``None`` names them by type and
+            order of appearance (any module run by this thread).
+        min_numel: tensors with fewer elements are kept as they are.
+        seed: base of the per-step, per-site seeds kept with the packed data.
+        compress_masks: bool tensors go to the lossless 1-bit ``mask`` codec.
+        strict: re-raise codec errors instead of keeping the tensor uncompressed.
+        keep_packed: keep every :class:`Packed` of the step in ``packed_log`` (tests).
+        memory_budget: bytes; packing a tensor that would take the live saved bytes
+            plus ``budget_base`` past it raises :class:`MemoryBudgetError`.
+        budget_base: bytes counted against the budget besides activations (weights,
+            gradients, optimizer state).
+    """
+
+    def __init__(
+        self,
+        policy: Any,
+        *,
+        model: nn.Module | None = None,
+        min_numel: int = 1024,
+        seed: int = 0,
+        compress_masks: bool = True,
+        strict: bool = False,
+        keep_packed: bool = False,
+        memory_budget: int | None = None,
+        budget_base: int = 0,
+    ) -> None:
+        self.policy = policy
+        self.tracker = ModuleTracker(model)
+        self.stats = CompressionStats()
+        self.min_numel = min_numel
+        self.seed = seed
+        self.compress_masks = compress_masks
+        self.strict = strict
+        self.memory_budget = memory_budget
+        self.budget_base = budget_base
+        self.packed_log: list[Packed] | None = [] if keep_packed else None
+        self.step = 0
+        self._mask_codec = MaskCodec(MaskConfig())
+        self._resident: set[int] = set()
+        self._dedup: dict[tuple, tuple[weakref.ReferenceType, weakref.ReferenceType]] = {}
+        self._views: dict[tuple, weakref.ReferenceType] = {}
+        self._site_hash: dict[str, int] = {}
+        self._warned: set[str] = set()
+        self._paused = 0
+        self._installed = False
+
+    # -- lifecycle ------------------------------------------------------------
+    def install(self) -> None:
+        """Register the module hooks that name sites (idempotent)."""
+        if not self._installed:
+            self.tracker.install()
+            self._resident = self.tracker.resident_storages()
+            self._installed = True
+
+    def remove(self) -> None:
+        """Remove every hook this object registered and forget per-step state."""
+        self.tracker.remove()
+        self._dedup.clear()
+        self._views.clear()
+        self._installed = False
+
+    @property
+    def installed(self) -> bool:
+        return self._installed
+
+    def new_step(self, step: int | None = None) -> None:
+        """Start counting a new step (sites are numbered per step)."""
+        self.step = self.step + 1 if step is None else step
+        self.stats.reset()
+        self.tracker.new_step()
+        self._dedup.clear()
+        self._views.clear()
+        if self.packed_log is not None:
+            self.packed_log.clear()
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[CompressionStats]:
+        """Saved tensors made inside are packed; always exits the hooks."""
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield self.stats
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Saved tensors made inside are kept as they are (e.g. an exact reference pass)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    # -- hooks ----------------------------------------------------------------
+    def _seed_for(self, site: SiteInfo) -> int:
+        h = self._site_hash.get(site.key)
+        if h is None:
+            h = self._site_hash[site.key] = zlib.crc32(site.key.encode())
+        return _mix(self.seed, self.step, h)
+
+    def _count_view(self, t: torch.Tensor, key: tuple) -> int:
+        """Raw bytes newly brought in by the view ``t`` (0 if this view was counted)."""
+        ref = self._views.get(key)
+        if ref is not None and ref() is not None:
+            return 0
+        self._views[key] = weakref.ref(t)
+        nbytes = span_nbytes(t)
+        self.stats.saved_bytes += nbytes
+        return nbytes
+
+    def _record(
+        self, site: SiteInfo, t: torch.Tensor, codec: str, settings: str, raw: int, kept: int
+    ) -> None:
+        rec = self.stats.sites.get(site.key)
+        if rec is None:
+            rec = self.stats.sites[site.key] = SiteRecord(
+                site.key,
+                site.module,
+                site.module_type,
+                tuple(t.shape),
+                str(t.dtype).removeprefix("torch."),
+                codec,
+                settings,
+            )
+        rec.raw_bytes += raw
+        rec.packed_bytes += kept
+        rec.count += 1
+
+    def _release(self, nbytes: int) -> None:
+        self.stats.live_bytes -= nbytes
+
+    def _charge(self, nbytes: int) -> None:
+        if self.memory_budget is not None:
+            need = self.budget_base + self.stats.live_bytes + nbytes
+            if need > self.memory_budget:
+                raise MemoryBudgetError(
+                    f"{OOM_MESSAGE}: lightning_acgc memory_budget of {self.memory_budget} bytes "
+                    f"would be exceeded ({need} bytes: {self.stats.live_bytes} live saved, "
+                    f"{nbytes} new, {self.budget_base} model and optimizer)"
+                )
+        self.stats.add_live(nbytes)
+
+    def _keep(self, site: SiteInfo, t: torch.Tensor, raw: int, why: str) -> torch.Tensor:
+        self.stats.tensors_kept += 1
+        self.stats.packed_bytes += raw
+        if raw:
+            self._charge(raw)
+            weakref.finalize(t, self._release, raw)
+        self._record(site, t, "kept", why, raw, raw)
+        return t
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if self._paused or t.layout != torch.strided or t.device.type == "meta":
+            return t
+        if t.requires_grad and is_leaf_parameter(t):
+            return t
+        if self._resident and t.untyped_storage().data_ptr() in self._resident:
+            return t
+        site = self.tracker.next_site()
+        key = (
+            t.untyped_storage().data_ptr(),
+            t.storage_offset(),
+            tuple(t.shape),
+            t.stride(),
+            t.dtype,
+            t._version,
+        )
+        raw = self._count_view(t, key)
+        if t.dtype == torch.bool:
+            if not self.compress_masks or t.numel() < self.min_numel:
+                return self._keep(site, t, raw, "bool")
+            codec = self._mask_codec
+        elif not t.is_floating_point():
+            return self._keep(site, t, raw, "not float")
+        elif t.numel() < self.min_numel:
+            return self._keep(site, t, raw, "tiny")
+        else:
+            codec = self.policy.codec_for(site, t)
+            if codec is None:
+                return self._keep(site, t, raw, "policy")
+        # A hit needs the tensor itself alive: a dead tensor's memory may already hold
+        # another tensor of the same shape at the same address.
+        refs = self._dedup.get(key)
+        saved = refs[1]() if refs is not None and refs[0]() is not None else None
+        if saved is not None:
+            self._record(site, t, saved.codec.name, "shared", 0, 0)
+            return saved
+        try:
+            packed = codec.encode(t.detach(), self._seed_for(site))
+        except Exception as err:
+            if self.strict:
+                raise
+            if site.key not in self._warned:
+                self._warned.add(site.key)
+                warnings.warn(
+                    f"lightning_acgc: {codec.name} failed at {site.key} ({err}); kept uncompressed",
+                    stacklevel=2,
+                )
+            packed = None
+        if packed is None:
+            return self._keep(site, t, raw, f"{codec.name} declined")
+        nbytes = packed.nbytes
+        self._charge(nbytes)
+        self.stats.tensors_packed += 1
+        self.stats.packed_bytes += nbytes
+        saved = _Saved(packed, codec)
+        weakref.finalize(saved, self._release, nbytes)
+        self._dedup[key] = (weakref.ref(t), weakref.ref(saved))
+        settings = self.policy.describe(codec) if codec is not self._mask_codec else "1 bit"
+        self._record(site, t, codec.name, settings, raw, nbytes)
+        if self.packed_log is not None:
+            self.packed_log.append(packed)
+        return saved
+
+    @staticmethod
+    def _unpack(saved: Any) -> torch.Tensor:
+        if isinstance(saved, _Saved):
+            return saved.codec.decode(saved.packed)
+        return saved

@@ -1,0 +1,109 @@
+"""Which module saved a tensor: a stack of module names kept by forward hooks."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["ModuleTracker", "SiteInfo"]
+
+
+@dataclass(frozen=True)
+class SiteInfo:
+    """Where a saved tensor comes from: the innermost running module and the ordinal
+    of this tensor among those that module saved in the current step."""
+
+    module: str
+    module_type: str
+    ordinal: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.module}:{self.ordinal}"
+
+
+class ModuleTracker:
+    """Tracks the innermost running module of ``model`` (or, with ``model=None``, of any
+    module run by this thread) while installed.
+
+    Hooks are registered on :meth:`install` and removed on :meth:`remove`; nothing
+    else is touched.
+    """
+
+    def __init__(self, model: nn.Module | None = None) -> None:
+        self._model = model
+        self._handles: list[RemovableHandle] = []
+        self._stack: list[tuple[str, str]] = []
+        self._ordinals: dict[str, int] = {}
+        self._names: dict[int, str] = {}
+        self._thread = threading.get_ident()
+
+    # -- installation -------------------------------------------------------
+    def install(self) -> None:
+        if self._handles:
+            return
+        self._thread = threading.get_ident()
+        if self._model is not None:
+            for name, module in self._model.named_modules():
+                self._names[id(module)] = name
+                self._handles.append(module.register_forward_pre_hook(self._enter))
+                self._handles.append(module.register_forward_hook(self._exit, always_call=True))
+        else:
+            from torch.nn.modules.module import (
+                register_module_forward_hook,
+                register_module_forward_pre_hook,
+            )
+
+            self._handles.append(register_module_forward_pre_hook(self._enter))
+            self._handles.append(register_module_forward_hook(self._exit, always_call=True))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._stack.clear()
+
+    # -- hooks --------------------------------------------------------------
+    def _name_of(self, module: nn.Module) -> str:
+        name = self._names.get(id(module))
+        if name is None:  # global mode: name by type and order of first appearance
+            name = f"{type(module).__name__}#{len(self._names)}"
+            self._names[id(module)] = name
+        return name
+
+    def _enter(self, module: nn.Module, args: object) -> None:
+        if threading.get_ident() == self._thread:
+            self._stack.append((self._name_of(module), type(module).__name__))
+
+    def _exit(self, module: nn.Module, args: object, output: object) -> None:
+        if threading.get_ident() == self._thread and self._stack:
+            self._stack.pop()
+
+    # -- sites --------------------------------------------------------------
+    def new_step(self) -> None:
+        """Restart the per-module ordinals (sites are numbered per step)."""
+        self._ordinals.clear()
+        self._stack.clear()
+
+    def next_site(self) -> SiteInfo:
+        module, module_type = self._stack[-1] if self._stack else ("", "")
+        ordinal = self._ordinals.get(module, 0)
+        self._ordinals[module] = ordinal + 1
+        return SiteInfo(module, module_type, ordinal)
+
+    def resident_storages(self) -> set[int]:
+        """Storage pointers of the model's parameters and buffers (kept anyway)."""
+        if self._model is None:
+            return set()
+        tensors = [*self._model.parameters(), *self._model.buffers()]
+        return {t.untyped_storage().data_ptr() for t in tensors if t.device.type != "meta"}
+
+
+def is_leaf_parameter(t: torch.Tensor) -> bool:
+    """A leaf that requires grad (a parameter), or a view of one."""
+    base = t._base if t._base is not None else t
+    return base.is_leaf and base.requires_grad

@@ -1,0 +1,155 @@
+"""Per-group stochastic quantization (ActNN/GACT style) — pure-torch reference and CPU path.
+
+Format (shared with the Triton kernels):
+
+* ``codes``: uint8, the ``bits``-bit codes of all ``G * group_size`` values, packed by
+  :func:`lightning_acgc.kernels.bitpack.pack_codes` (the tail group is padded with the
+  tensor's last value).
+* ``lo``: float32 per group, the value of code 0 (or of code 1, see below).
+* ``scale``: float32 per group, the step between codes. A negative sign bit marks a
+  *zero-kept* group: a group whose minimum is exactly 0 (e.g. after ReLU). There code 0
+  is an exact zero and codes ``1..2^b-1`` cover ``[smallest positive, max]``, so zeros
+  stay zeros and no positive value ever decodes to 0 (the ReLU mask is kept).
+  1-bit groups never use it.
+* ``exc_idx``/``exc_val``: flat indices and original values of NaN/inf elements.
+
+Rounding is ``floor(t + u)`` with ``u ~ U[0, 1)`` drawn from a generator seeded with the
+stored seed: unbiased, and the same seed gives the same codes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_acgc.kernels.bitpack import pack_codes, unpack_codes
+from lightning_acgc.kernels.dispatch import use_triton
+from lightning_acgc.kernels.nonfinite import fill_nonfinite_rows, restore_exceptions
+
+__all__ = [
+    "group_view",
+    "quant_decode",
+    "quant_decode_ref",
+    "quant_encode",
+    "quant_encode_ref",
+    "uniform_noise",
+]
+
+
+def group_view(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``x`` flattened to float32 and viewed as (G, group_size); the tail is padded
+    with the last value so that padding never widens a group's range."""
+    flat = x.reshape(-1)
+    flat = flat.float() if flat.dtype != torch.float32 else flat
+    n = flat.numel()
+    pad = -n % group_size
+    if pad:
+        flat = torch.cat([flat, flat[-1:].expand(pad)])
+    return flat.view(-1, group_size)
+
+
+def uniform_noise(shape: tuple[int, ...], seed: int, device: torch.device) -> torch.Tensor:
+    """U[0, 1) noise from a private generator (never the global RNG)."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(seed) & 0x7FFF_FFFF_FFFF_FFFF)
+    return torch.rand(shape, generator=gen, device=device, dtype=torch.float32)
+
+
+def quant_encode_ref(
+    x: torch.Tensor,
+    bits: int,
+    group_size: int,
+    seed: int,
+    noise: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """Quantize a non-empty floating tensor; ``noise`` (shape (G, group_size)) overrides
+    the seeded draw so that other implementations can be compared exactly."""
+    xg = group_view(x, group_size)
+    lo, hi = torch.aminmax(xg, dim=1)
+    exc_idx = torch.empty(0, dtype=torch.int64, device=x.device)
+    exc_val = torch.empty(0, dtype=x.dtype, device=x.device)
+    if not (torch.isfinite(lo).all() and torch.isfinite(hi).all()):
+        xg, exc_idx, exc_val = fill_nonfinite_rows(xg)
+        keep = exc_idx < x.numel()  # padding copies of a non-finite last value
+        exc_idx, exc_val = exc_idx[keep], exc_val[keep].to(x.dtype)
+        lo, hi = torch.aminmax(xg, dim=1)
+    levels = float(2**bits - 1)
+    zero_kept = (lo == 0) & (hi > 0) if bits > 1 else torch.zeros_like(lo, dtype=torch.bool)
+    any_zero_kept = bool(zero_kept.any())
+    if any_zero_kept:
+        min_pos = torch.where(xg > 0, xg, torch.inf).amin(dim=1)
+        lo = torch.where(zero_kept, min_pos, lo)
+    top = torch.where(zero_kept, levels - 1, levels)
+    if not torch.isfinite(hi - lo).all():  # ranges beyond float32: do this tensor in float64
+        xg, lo, hi = xg.double(), lo.double(), hi.double()
+    step = (hi - lo) / top
+    inv = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))
+    t = (xg - lo[:, None]) * inv[:, None]
+    if noise is None:
+        noise = uniform_noise(tuple(xg.shape), seed, x.device)
+    q = torch.floor_(t.add_(noise)).clamp_(min=0)
+    q = torch.minimum(q, top[:, None].to(t.dtype), out=q)
+    if any_zero_kept:
+        q += (xg != 0) & zero_kept[:, None]
+    codes = pack_codes(q.to(torch.uint8).view(-1), bits)
+    scale = torch.where(zero_kept, -step, step).float()
+    return {
+        "codes": codes,
+        "lo": lo.float(),
+        "scale": scale,
+        "exc_idx": exc_idx,
+        "exc_val": exc_val,
+    }
+
+
+def quant_decode_ref(
+    payload: dict[str, torch.Tensor],
+    bits: int,
+    group_size: int,
+    numel: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Flat tensor of ``numel`` decoded values in ``dtype``."""
+    lo, scale = payload["lo"], payload["scale"]
+    groups = lo.numel()
+    q = unpack_codes(payload["codes"], bits, groups * group_size).view(groups, group_size)
+    zero_kept = torch.signbit(scale)
+    step = scale.abs()
+    levels = float(2**bits - 1)
+    if not torch.isfinite(lo + levels * step).all():
+        lo, step = lo.double(), step.double()
+    qf = q.to(lo.dtype)
+    if bool(zero_kept.any()):
+        qf -= zero_kept[:, None].to(qf.dtype)
+        out = torch.addcmul(lo[:, None], qf, step[:, None])
+        out = out.masked_fill_((q == 0) & zero_kept[:, None], 0.0)
+    else:
+        out = torch.addcmul(lo[:, None], qf, step[:, None])
+    flat = out.view(-1)[:numel].to(dtype)
+    return restore_exceptions(flat, payload["exc_idx"], payload["exc_val"])
+
+
+def quant_encode(
+    x: torch.Tensor, bits: int, group_size: int, seed: int, backend: str = "auto"
+) -> dict[str, torch.Tensor]:
+    """Encode through Triton or the torch reference (see :func:`use_triton`)."""
+    if use_triton(x, backend):
+        from lightning_acgc.kernels.quant_triton import quant_encode_triton
+
+        return quant_encode_triton(x, bits, group_size, seed)
+    return quant_encode_ref(x, bits, group_size, seed)
+
+
+def quant_decode(
+    payload: dict[str, torch.Tensor],
+    bits: int,
+    group_size: int,
+    numel: int,
+    dtype: torch.dtype,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Decode through Triton or the torch reference (see :func:`use_triton`)."""
+    if use_triton(payload["lo"], backend):
+        from lightning_acgc.kernels.quant_triton import quant_decode_triton
+
+        return quant_decode_triton(payload, bits, group_size, numel, dtype)
+    return quant_decode_ref(payload, bits, group_size, numel, dtype)
