@@ -1,23 +1,81 @@
-"""What every policy offers the engine: a codec per site."""
+"""What a policy offers the engine (a codec per site) and the adapter (a calibration cycle).
+
+The Lightning adapter drives a policy through one training step like this::
+
+    policy.setup(model)                       # fit start
+    policy.begin_step(step)                   # before the step's forward
+    if policy.needs_exact_gradient(step):     # calibration steps only
+        policy.set_exact_gradients(grads)     # one uncompressed backward, by name
+    ... forward under the engine: policy.codec_for(site, x) per saved tensor ...
+    ... backward (gradients in p.grad) ...
+    policy.end_step(step, model, reduce)      # before optimizer.step
+    log(policy.metrics())
+    policy.teardown()                         # fit end, also after an exception
+
+Everything here is plain Python/torch: policies are unit-tested without a Trainer.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch import nn
 
 from lightning_acgc.codecs.base import Codec
 from lightning_acgc.engine.sites import SiteInfo
 
-__all__ = ["Policy"]
+__all__ = ["Policy", "Reduce"]
+
+# Averages a tensor over data-parallel ranks (identity on one process).
+Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
-@runtime_checkable
-class Policy(Protocol):
-    """Chooses each site's codec. ``codec_for`` returns ``None`` to keep a tensor as it is."""
+class Policy:
+    """Base class: no calibration; subclasses override :meth:`codec_for` at least."""
 
-    def codec_for(self, site: SiteInfo, x: torch.Tensor) -> Codec | None: ...
+    name: str = "base"
+
+    def setup(self, model: nn.Module) -> None:
+        """Called once on fit start with the model being trained."""
+
+    def codec_for(self, site: SiteInfo, x: torch.Tensor) -> Codec | None:
+        """The codec for ``x`` saved at ``site``; ``None`` keeps ``x`` as it is."""
+        raise NotImplementedError
 
     def describe(self, codec: Codec) -> str:
         """Short text of a codec's settings for tables and logs."""
-        ...
+        from lightning_acgc.policies.fixed import describe_codec
+
+        return describe_codec(codec)
+
+    def begin_step(self, step: int) -> None:
+        """Called before the forward of global step ``step``."""
+
+    def needs_exact_gradient(self, step: int) -> bool:
+        """Whether the adapter should compute the uncompressed gradient this step."""
+        return False
+
+    def set_exact_gradients(self, grads: dict[str, torch.Tensor]) -> None:
+        """The uncompressed gradient of this step's loss, by parameter name."""
+
+    def end_step(self, step: int, model: nn.Module, reduce: Reduce) -> None:
+        """Called after backward (gradients in ``p.grad``) and before the optimizer step."""
+
+    def metrics(self) -> dict[str, float]:
+        """Numbers to log after the step (e.g. ``{"grad_error": 0.03}``)."""
+        return {}
+
+    def site_settings(self) -> dict[str, str]:
+        """Current per-site settings (site key -> text) for logs and tables."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (resume from a checkpoint)."""
+
+    def teardown(self) -> None:
+        """Called on fit end, also after an exception."""

@@ -9,6 +9,7 @@ import torch
 from lightning_acgc.codecs.base import Codec
 from lightning_acgc.config import CompressionConfig
 from lightning_acgc.engine.sites import SiteInfo
+from lightning_acgc.policies.base import Policy
 
 __all__ = ["FixedPolicy", "describe_codec"]
 
@@ -21,7 +22,7 @@ def describe_codec(codec: Codec) -> str:
     return " ".join(f"{f.name}={getattr(config, f.name)}" for f in dataclasses.fields(config))
 
 
-class FixedPolicy:
+class FixedPolicy(Policy):
     """The same codec everywhere.
 
     Example:
@@ -31,12 +32,11 @@ class FixedPolicy:
         'bits=4 group_size=256'
     """
 
+    name = "fixed"
+
     def __init__(self, config: CompressionConfig) -> None:
         self.config = config
         self.codec = config.build_codec()
 
     def codec_for(self, site: SiteInfo, x: torch.Tensor) -> Codec | None:
         return self.codec
-
-    def describe(self, codec: Codec) -> str:
-        return describe_codec(codec)
