@@ -56,6 +56,8 @@ class MaskCodec:
         return Packed(self.name, x.shape, x.dtype, {"bits": bits, "values": values})
 
     def decode(self, packed: Packed) -> torch.Tensor:
+        if packed.codec == "identity":  # empty tensors are kept raw
+            return packed.payload["raw"]
         flags = mask_unpack(packed.payload["bits"], packed.shape.numel(), self.backend)
         flags = flags.view(packed.shape)
         if packed.dtype == torch.bool:

@@ -61,6 +61,8 @@ class QuantCodec:
         return Packed(self.name, x.shape, x.dtype, payload, meta)
 
     def decode(self, packed: Packed) -> torch.Tensor:
+        if packed.codec == "identity":  # empty tensors are kept raw
+            return packed.payload["raw"]
         m = packed.meta
         flat = qk.quant_decode(
             packed.payload,

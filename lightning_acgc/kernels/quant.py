@@ -79,9 +79,11 @@ def quant_encode_ref(
         min_pos = torch.where(xg > 0, xg, torch.inf).amin(dim=1)
         lo = torch.where(zero_kept, min_pos, lo)
     top = torch.where(zero_kept, levels - 1, levels)
-    if not torch.isfinite(hi - lo).all():  # ranges beyond float32: do this tensor in float64
-        xg, lo, hi = xg.double(), lo.double(), hi.double()
     step = (hi - lo) / top
+    if not (torch.isfinite(step).all() and bool((1.0 / step[step > 0]).isfinite().all())):
+        # ranges beyond float32, or denormal steps whose inverse overflows: use float64
+        xg, lo, hi = xg.double(), lo.double(), hi.double()
+        step = (hi - lo) / top
     inv = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))
     t = (xg - lo[:, None]) * inv[:, None]
     if noise is None:

@@ -1,0 +1,204 @@
+"""The engine: which tensors are packed, sites, de-duplication, byte meter, cleanup."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_acgc import CompressionConfig, compress_activations
+from lightning_acgc.engine import MemoryBudgetError
+from tests._models import ResidualCNN, TransformerBlock, loss_of
+
+
+def _probe_hooks_inactive() -> bool:
+    """True when no saved-tensor hooks of ours are active: a fresh graph saves raw tensors."""
+    x = torch.randn(2000, requires_grad=True) * 1.0  # not a leaf: never a "parameter"
+    y = x.sin()
+    return y.grad_fn._saved_self.data_ptr() == x.data_ptr()
+
+
+def test_parameters_integers_tiny_kept_bool_masked() -> None:
+    lin = nn.Linear(64, 64)
+    x = torch.randn(128, 64)
+    idx = torch.randint(0, 64, (4096,))
+    with compress_activations(codec="quant", bits=4, model=lin) as stats:
+        h = lin(x)
+        g = h.view(-1)[idx]  # saves an int64 index tensor
+        small = (h[:2, :2] * 3.0).sin()  # saves a tiny tensor
+        gated = torch.where(h > 0, h, 0.0)  # saves a bool condition
+        (g.sum() + small.sum() + gated.sum()).backward()
+    codecs = {r.settings for r in stats.sites.values() if r.codec == "kept"}
+    assert {"not float", "tiny"} <= codecs
+    assert any(r.codec == "mask" for r in stats.sites.values())
+    # The weight is resident: never counted.
+    assert not any(r.shape == (64, 64) for r in stats.sites.values())
+    assert lin.weight.grad is not None and x.grad is None
+
+
+def test_cpu_dropout_mask_round_trips_exactly() -> None:
+    """CPU dropout saves a float mask {0, 1/(1-p)}: quant keeps it exact at any bits."""
+    h = torch.randn(128, 64, requires_grad=True)
+    torch.manual_seed(1)
+    nn.functional.dropout(h, 0.3).sum().backward()
+    exact = h.grad.clone()
+    h.grad = None
+    torch.manual_seed(1)
+    with compress_activations(codec="quant", bits=1):
+        nn.functional.dropout(h, 0.3).sum().backward()
+    assert torch.equal(h.grad, exact)
+
+
+def test_same_tensor_saved_twice_is_packed_once() -> None:
+    x = torch.randn(4096, requires_grad=True)
+    with compress_activations(codec="quant", bits=8, keep_packed=True) as stats:
+        y = x * 2
+        (y * y).sum().backward()  # mul saves y twice (self and other)
+    assert stats.tensors_packed == 1
+    assert stats.saved_bytes == 4096 * 4
+    assert torch.allclose(x.grad, 8 * x.detach(), atol=0.5)
+
+
+def test_reused_memory_is_not_mistaken_for_a_saved_tensor() -> None:
+    """A dead tensor's memory reused for a same-shaped tensor must not hit the dedup cache."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(256, 256), nn.ReLU())])
+    x = torch.randn(64, 256)
+    exact = torch.autograd.grad(model(x).square().sum(), list(model.parameters()))
+    with compress_activations(codec="quant", bits=8, model=model):
+        got = torch.autograd.grad(model(x).square().sum(), list(model.parameters()))
+    for a, b in zip(got, exact, strict=True):
+        assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.999
+
+
+def test_sites_are_named_by_module_and_stable_across_steps() -> None:
+    model = ResidualCNN()
+    x = torch.randn(4, 3, 16, 16)
+    keys = []
+    for step in range(2):
+        with compress_activations(codec="quant", model=model, seed=step) as stats:
+            loss_of(model, x).backward()
+        keys.append(list(stats.sites))
+    assert keys[0] == keys[1]
+    assert "stem.0:0" in keys[0] and "blocks.1.3:0" in keys[0]
+
+
+def test_without_model_sites_are_named_by_type() -> None:
+    model = ResidualCNN()
+    with compress_activations(codec="quant") as stats:
+        loss_of(model, torch.randn(4, 3, 16, 16)).backward()
+    assert any(k.startswith("Conv2d#") for k in stats.sites)
+
+
+def test_hooks_are_removed_on_exit_and_on_exception() -> None:
+    model = ResidualCNN()
+    with compress_activations(codec="quant", model=model):
+        assert not _probe_hooks_inactive()
+    assert _probe_hooks_inactive()
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        compress_activations(codec="quant", model=model),
+    ):
+        raise RuntimeError("boom")
+    assert _probe_hooks_inactive()
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_compression_does_not_change_global_rng_or_dropout() -> None:
+    model = TransformerBlock()
+    tokens = torch.randint(0, 64, (4, 16))
+    torch.manual_seed(5)
+    loss_of(model, tokens).backward()
+    plain_next = torch.rand(3)
+    torch.manual_seed(5)
+    with compress_activations(codec="quant", bits=2, model=model, min_numel=0):
+        loss_of(model, tokens).backward()
+    assert torch.equal(torch.rand(3), plain_next)
+
+
+def test_same_seed_same_packed_bytes() -> None:
+    model = ResidualCNN()
+    x = torch.randn(4, 3, 16, 16)
+    payloads = []
+    for _ in range(2):
+        with compress_activations(
+            codec="quant", bits=2, model=model, seed=11, keep_packed=True
+        ) as st:
+            loss_of(model, x).backward()
+            payloads.append([t.clone() for p in st.packed for t in p.payload.values()])
+    assert len(payloads[0]) == len(payloads[1]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(*payloads, strict=True))
+
+
+def test_live_bytes_fall_back_after_backward() -> None:
+    model = ResidualCNN()
+    x = torch.randn(8, 3, 16, 16)
+    with compress_activations(codec="quant", bits=2, model=model) as stats:
+        loss = loss_of(model, x)
+        during = stats.live_bytes
+        loss.backward()
+        del loss
+    assert during >= stats.packed_bytes - x.numel() * 4
+    assert stats.peak_live_bytes >= during
+    assert stats.live_bytes <= x.numel() * 4  # only the input, still referenced here
+
+
+def test_memory_budget_raises_an_error_lightning_sees_as_oom() -> None:
+    from lightning.pytorch.utilities.memory import is_oom_error
+
+    model = ResidualCNN()
+    with (
+        pytest.raises(MemoryBudgetError) as err,
+        compress_activations(codec="identity", model=model, memory_budget=100_000),
+    ):
+        loss_of(model, torch.randn(8, 3, 16, 16))
+    assert is_oom_error(err.value)
+
+
+def test_failing_codec_keeps_tensor_and_warns_unless_strict() -> None:
+    class Broken:
+        name = "broken"
+
+        def codec_for(self, site, x):
+            return self
+
+        def describe(self, codec):
+            return ""
+
+        def encode(self, x, seed):
+            raise RuntimeError("codec bug")
+
+    x = torch.randn(4096, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with compress_activations(policy=Broken(), codec="quant") as stats:
+            (x * 1.0).sin().sum().backward()
+    assert torch.allclose(x.grad, x.detach().cos())
+    assert stats.tensors_kept == 1 and any("codec bug" in str(w.message) for w in caught)
+    cfg = CompressionConfig(strict=True)
+    with pytest.raises(RuntimeError, match="codec bug"), compress_activations(cfg, policy=Broken()):
+        (x * 1.0).sin()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"codec": "nope"}, r"codec='nope' is unknown; allowed values: \["),
+        ({"codec": "quant", "bits": 3}, r"bits=3"),
+        ({"codec": "quant", "group_size": 0}, "group_size"),
+        ({"codec": "bounded", "error_bound": 0}, "error_bound"),
+        ({"codec": "bounded", "error_bound": -1e-3}, "error_bound"),
+        ({"codec": "quant", "backend": "cuda"}, "backend"),
+        ({"codec": "quant", "min_numel": -1}, "min_numel"),
+    ],
+)
+def test_bad_arguments_raise_before_anything_runs(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        CompressionConfig.from_kwargs(**kwargs)
+    ran = []
+    with pytest.raises(ValueError, match=match), compress_activations(**kwargs):
+        ran.append(1)
+    assert not ran
