@@ -1,15 +1,32 @@
 """lightning_acgc: activation-compressed training for PyTorch and PyTorch Lightning."""
 
+from lightning_acgc.batch_size import CompressedBatchSizeFinder
+from lightning_acgc.callback import ActivationCompression
 from lightning_acgc.codecs import Packed, available_codecs, build_codec
 from lightning_acgc.config import CompressionConfig
-from lightning_acgc.engine import ActivationCompressor, CompressionStats, compress_activations
+from lightning_acgc.engine import (
+    ActivationCompressor,
+    CompressionStats,
+    compress_activations,
+    compressed_step,
+)
+from lightning_acgc.policies import available_policies, build_policy
+from lightning_acgc.strategy import ACGCDDPStrategy, ACGCFSDPStrategy, ACGCStrategy
 
 __all__ = [
+    "ACGCDDPStrategy",
+    "ACGCFSDPStrategy",
+    "ACGCStrategy",
+    "ActivationCompression",
     "ActivationCompressor",
+    "CompressedBatchSizeFinder",
     "CompressionConfig",
     "CompressionStats",
     "Packed",
     "available_codecs",
+    "available_policies",
     "build_codec",
+    "build_policy",
     "compress_activations",
+    "compressed_step",
 ]

@@ -4,6 +4,7 @@ from lightning_acgc.engine.api import compress_activations
 from lightning_acgc.engine.compressor import OOM_MESSAGE, ActivationCompressor, MemoryBudgetError
 from lightning_acgc.engine.meter import CompressionStats, SiteRecord
 from lightning_acgc.engine.sites import ModuleTracker, SiteInfo
+from lightning_acgc.engine.step import compressed_step, exact_gradients
 
 __all__ = [
     "OOM_MESSAGE",
@@ -14,4 +15,6 @@ __all__ = [
     "SiteInfo",
     "SiteRecord",
     "compress_activations",
+    "compressed_step",
+    "exact_gradients",
 ]

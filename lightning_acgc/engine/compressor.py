@@ -43,11 +43,12 @@ def _mix(*values: int) -> int:
 class _Saved:
     """What autograd holds instead of a compressed tensor."""
 
-    __slots__ = ("__weakref__", "codec", "packed")
+    __slots__ = ("__weakref__", "codec", "packed", "site")
 
-    def __init__(self, packed: Packed, codec: Codec) -> None:
+    def __init__(self, packed: Packed, codec: Codec, site: str) -> None:
         self.packed = packed
         self.codec = codec
+        self.site = site
 
 
 class ActivationCompressor:
@@ -104,6 +105,9 @@ class ActivationCompressor:
         self._warned: set[str] = set()
         self._paused = 0
         self._installed = False
+        attach = getattr(policy, "attach", None)
+        if attach is not None:
+            attach(self)
 
     # -- lifecycle ------------------------------------------------------------
     def install(self) -> None:
@@ -224,6 +228,15 @@ class ActivationCompressor:
             t._version,
         )
         raw = self._count_view(t, key)
+        # A tensor already packed this step is shared, whatever this site would choose.
+        # A hit needs the tensor itself alive: a dead tensor's memory may already hold
+        # another tensor of the same shape at the same address.
+        refs = self._dedup.get(key)
+        saved = refs[1]() if refs is not None and refs[0]() is not None else None
+        if saved is not None:
+            self._record(site, t, saved.codec.name, f"shared with {saved.site}", 0, 0)
+            self.stats.sites[site.key].shared_with = saved.site
+            return saved
         if t.dtype == torch.bool:
             if not self.compress_masks or t.numel() < self.min_numel:
                 return self._keep(site, t, raw, "bool")
@@ -236,13 +249,6 @@ class ActivationCompressor:
             codec = self.policy.codec_for(site, t)
             if codec is None:
                 return self._keep(site, t, raw, "policy")
-        # A hit needs the tensor itself alive: a dead tensor's memory may already hold
-        # another tensor of the same shape at the same address.
-        refs = self._dedup.get(key)
-        saved = refs[1]() if refs is not None and refs[0]() is not None else None
-        if saved is not None:
-            self._record(site, t, saved.codec.name, "shared", 0, 0)
-            return saved
         try:
             packed = codec.encode(t.detach(), self._seed_for(site))
         except Exception as err:
@@ -261,7 +267,7 @@ class ActivationCompressor:
         self._charge(nbytes)
         self.stats.tensors_packed += 1
         self.stats.packed_bytes += nbytes
-        saved = _Saved(packed, codec)
+        saved = _Saved(packed, codec, site.key)
         weakref.finalize(saved, self._release, nbytes)
         self._dedup[key] = (weakref.ref(t), weakref.ref(saved))
         settings = self.policy.describe(codec) if codec is not self._mask_codec else "1 bit"

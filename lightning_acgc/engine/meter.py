@@ -21,6 +21,7 @@ class SiteRecord:
     raw_bytes: int = 0
     packed_bytes: int = 0
     count: int = 0
+    shared_with: str | None = None  # the site that packed this same tensor first
 
     @property
     def ratio(self) -> float:

@@ -33,7 +33,7 @@ def mask_pack(mask: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     if use_triton(mask, backend):
         from lightning_acgc.kernels.mask_triton import mask_pack_triton
 
-        return mask_pack_triton(mask)
+        return mask_pack_triton(mask.contiguous())
     return mask_pack_ref(mask)
 
 

@@ -14,7 +14,10 @@ Format (shared with the Triton kernels):
 * ``exc_idx``/``exc_val``: flat indices and original values of NaN/inf elements.
 
 Rounding is ``floor(t + u)`` with ``u ~ U[0, 1)`` drawn from a generator seeded with the
-stored seed: unbiased, and the same seed gives the same codes.
+stored seed: unbiased, and the same seed gives the same codes. Decoding computes
+``lo + q * step`` as one fused multiply-add (``torch.addcmul``; the Triton kernel too).
+A tensor whose step does not fit float32 (a range beyond 3.4e38 at 1 bit) is not
+quantized: the codec keeps it as it is.
 """
 
 from __future__ import annotations
@@ -96,7 +99,7 @@ def quant_encode_ref(
     scale = torch.where(zero_kept, -step, step).float()
     return {
         "codes": codes,
-        "lo": lo.float(),
+        "lo": lo.float() + 0.0,  # a zero minimum stored as +0.0, whatever the reduction gave
         "scale": scale,
         "exc_idx": exc_idx,
         "exc_val": exc_val,
@@ -137,7 +140,7 @@ def quant_encode(
     if use_triton(x, backend):
         from lightning_acgc.kernels.quant_triton import quant_encode_triton
 
-        return quant_encode_triton(x, bits, group_size, seed)
+        return quant_encode_triton(x.contiguous(), bits, group_size, seed)
     return quant_encode_ref(x, bits, group_size, seed)
 
 

@@ -5,7 +5,7 @@ The Lightning adapter drives a policy through one training step like this::
     policy.setup(model)                       # fit start
     policy.begin_step(step)                   # before the step's forward
     if policy.needs_exact_gradient(step):     # calibration steps only
-        policy.set_exact_gradients(grads)     # one uncompressed backward, by name
+        policy.set_exact_gradients(grads, reduce)  # one uncompressed backward, by name
     ... forward under the engine: policy.codec_for(site, x) per saved tensor ...
     ... backward (gradients in p.grad) ...
     policy.end_step(step, model, reduce)      # before optimizer.step
@@ -36,6 +36,12 @@ class Policy:
     """Base class: no calibration; subclasses override :meth:`codec_for` at least."""
 
     name: str = "base"
+    engine: Any = None
+
+    def attach(self, engine: Any) -> None:
+        """Called by the :class:`ActivationCompressor` that uses this policy; policies read
+        the step's site records from ``engine.stats``."""
+        self.engine = engine
 
     def setup(self, model: nn.Module) -> None:
         """Called once on fit start with the model being trained."""
@@ -57,8 +63,13 @@ class Policy:
         """Whether the adapter should compute the uncompressed gradient this step."""
         return False
 
-    def set_exact_gradients(self, grads: dict[str, torch.Tensor]) -> None:
-        """The uncompressed gradient of this step's loss, by parameter name."""
+    def set_exact_gradients(
+        self, grads: dict[str, torch.Tensor], reduce: Reduce | None = None
+    ) -> None:
+        """The uncompressed gradient of this step's loss, by parameter name, before the
+        step's compressed forward. With gradient accumulation the adapter sums it over
+        the step's micro-batches and calls this once, before the last one's forward.
+        ``reduce`` averages statistics over ranks (``None``: one process)."""
 
     def end_step(self, step: int, model: nn.Module, reduce: Reduce) -> None:
         """Called after backward (gradients in ``p.grad``) and before the optimizer step."""

@@ -9,7 +9,7 @@ from typing import Any
 from lightning_acgc.config import CompressionConfig
 from lightning_acgc.policies.base import Policy
 
-__all__ = ["available_policies", "build_policy", "register_policy"]
+__all__ = ["available_policies", "build_policy", "policy_class", "register_policy"]
 
 _POLICIES: dict[str, type[Policy]] = {}
 
@@ -20,6 +20,13 @@ def register_policy(name: str, cls: type[Policy]) -> None:
 
 def available_policies() -> list[str]:
     return sorted(_POLICIES)
+
+
+def policy_class(name: str) -> type[Policy]:
+    """The class registered as ``name``; ``ValueError`` for an unknown name."""
+    if name not in _POLICIES:
+        raise ValueError(f"policy={name!r} is unknown; allowed values: {available_policies()}")
+    return _POLICIES[name]
 
 
 def build_policy(name: str, **options: Any) -> Policy:
@@ -35,9 +42,7 @@ def build_policy(name: str, **options: Any) -> Policy:
         >>> build_policy("fixed", codec="quant", bits=4).codec.config.bits
         4
     """
-    if name not in _POLICIES:
-        raise ValueError(f"policy={name!r} is unknown; allowed values: {available_policies()}")
-    cls = _POLICIES[name]
+    cls = policy_class(name)
     params = inspect.signature(cls.__init__).parameters
     own = {k: options.pop(k) for k in list(options) if k in params and k != "config"}
     if "config" in params:

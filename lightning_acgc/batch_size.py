@@ -1,0 +1,336 @@
+"""COMET-style batch-size raising through Lightning's own batch-size tuner.
+
+``ActivationCompression(scale_batch_size="binsearch", memory_budget="2GB")`` runs
+Lightning's :class:`~lightning.pytorch.callbacks.BatchSizeFinder` search (the
+``power``/``binsearch`` code in ``lightning/pytorch/tuner/batch_size_scaling.py``) on fit
+start, after one calibration step and with compression active, so the trials measure
+compressed memory:
+
+1. The compression callback installs the engine and runs one calibration step on the
+   first batch (begin, exact gradient if the policy wants it, compressed forward and
+   backward, end; no optimizer step, RNG and buffers restored).
+2. Optionally (``compare_uncompressed=True``) the search runs once with the engine's
+   policy swapped for the ``identity`` codec: the same hooks and budget accounting,
+   nothing compressed. This is the "without compression" batch size.
+3. The search runs with the real policy; the model's ``batch_size`` attribute and the
+   dataloaders end at the size found.
+4. The learning rate follows ``lr_scaling`` (``"linear"``: × new/old batch, ``"sqrt"``:
+   × √(new/old)), for optimizers and the base rates of schedulers.
+
+The tuner empties ``trainer.callbacks`` during its trials; compression stays active
+because it is entered around ``Strategy.training_step`` (see ``strategy.py``), not by
+a callback hook. On CPU nothing runs out of memory: ``memory_budget`` makes the engine
+raise :class:`~lightning_acgc.engine.MemoryBudgetError`, whose message carries the CPU
+allocator's out-of-memory text that Lightning's ``is_oom_error`` recognizes. The budget
+counts live saved activations plus the bytes of parameters, buffers, gradients and
+optimizer state (:func:`static_memory_bytes`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import BatchSizeFinder
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.parsing import lightning_getattr
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from typing_extensions import override
+
+from lightning_acgc.config import CompressionConfig
+from lightning_acgc.engine.compressor import ActivationCompressor
+
+__all__ = [
+    "LR_SCALINGS",
+    "CompressedBatchSizeFinder",
+    "lr_factor",
+    "parse_memory",
+    "scale_learning_rates",
+    "static_memory_bytes",
+]
+
+LR_SCALINGS = ("linear", "sqrt")
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_MEMORY = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_memory(value: int | str | None, name: str = "memory_budget") -> int | None:
+    """Bytes from an int or a text such as ``"2GB"`` (10⁹) or ``"512MiB"`` (2²⁰).
+
+    Raises:
+        ValueError: not a positive int, or text without a known unit
+            (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB).
+
+    Example:
+        >>> parse_memory("2GB"), parse_memory("1.5 KiB"), parse_memory(4096), parse_memory(None)
+        (2000000000, 1536, 4096, None)
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be a number of bytes or a text like '2GB'")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"{name}={value!r} must be > 0 bytes")
+        return value
+    if isinstance(value, str):
+        match = _MEMORY.match(value)
+        unit = match.group(2).lower() if match else None
+        if match and unit in _UNITS:
+            nbytes = int(float(match.group(1)) * _UNITS[unit])
+            if nbytes > 0:
+                return nbytes
+    raise ValueError(
+        f"{name}={value!r} must be a positive int of bytes or a text like '2GB' or '512MiB' "
+        "(units: B, KB, MB, GB, TB = powers of 1000; KiB, MiB, GiB, TiB = powers of 1024)"
+    )
+
+
+def _tensor_bytes(tensors: Any) -> int:
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            continue
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer's state; estimated from its type before the first step."""
+    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if state and sum(t.numel() for t in state) >= sum(p.numel() for p in params):
+        return _tensor_bytes(state)
+    name = type(optimizer).__name__
+    defaults = optimizer.defaults
+    if name in ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adadelta"):
+        per_param = 2 + int(bool(defaults.get("amsgrad", False)))
+    elif name == "RMSprop":
+        per_param = 1 + int(defaults.get("momentum", 0) > 0) + int(bool(defaults.get("centered")))
+    elif name in ("SGD", "Adagrad"):
+        per_param = int(name == "Adagrad" or defaults.get("momentum", 0) > 0)
+    else:
+        per_param = 0
+    return per_param * _tensor_bytes(params)
+
+
+def static_memory_bytes(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> int:
+    """Bytes besides activations held during a step: parameters, buffers, gradients and
+    optimizer state (estimated from the optimizer's type before its first step).
+
+    Example:
+        >>> model = nn.Linear(10, 10)  # 110 parameters of 4 bytes
+        >>> static_memory_bytes(model, [torch.optim.Adam(model.parameters())])
+        1760
+    """
+    resident = _tensor_bytes([*module.parameters(), *module.buffers()])
+    grads = _tensor_bytes([p for p in module.parameters() if p.requires_grad])
+    return resident + grads + sum(_optimizer_state_bytes(o) for o in optimizers)
+
+
+def lr_factor(old: int, new: int, scaling: str) -> float:
+    """Learning-rate multiplier for a batch change ``old -> new``.
+
+    Example:
+        >>> lr_factor(32, 128, "linear"), lr_factor(32, 128, "sqrt")
+        (4.0, 2.0)
+    """
+    if scaling not in LR_SCALINGS:
+        raise ValueError(f"lr_scaling={scaling!r} is unknown; allowed values: {LR_SCALINGS}")
+    ratio = new / old
+    return ratio if scaling == "linear" else math.sqrt(ratio)
+
+
+def scale_learning_rates(trainer: Trainer, factor: float) -> None:
+    """Multiply the learning rate of every optimizer group, and the base rates of the
+    schedulers, by ``factor``."""
+    for optimizer in trainer.optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = group["lr"] * factor
+            if "initial_lr" in group:
+                group["initial_lr"] = group["initial_lr"] * factor
+    for config in trainer.lr_scheduler_configs:
+        base_lrs = getattr(config.scheduler, "base_lrs", None)
+        if base_lrs is not None:
+            config.scheduler.base_lrs = [lr * factor for lr in base_lrs]
+
+
+class CompressedBatchSizeFinder(BatchSizeFinder):
+    """Lightning's :class:`~lightning.pytorch.callbacks.BatchSizeFinder`, run by
+    :class:`~lightning_acgc.ActivationCompression` with compression active.
+
+    Give it as ``ActivationCompression(scale_batch_size=CompressedBatchSizeFinder(...))``
+    for full control (``scale_batch_size="binsearch"`` builds one with the defaults); it
+    is not a callback of its own.
+
+    Args:
+        mode: ``"power"`` or ``"binsearch"`` (Lightning's search modes).
+        steps_per_trial: training steps run per tried batch size.
+        init_val: first batch size tried.
+        max_trials: most batch-size increases.
+        batch_arg_name: the model or datamodule attribute holding the batch size.
+        margin: ``binsearch`` keeps this fraction below the largest size that fitted.
+        max_val: largest batch size tried.
+        lr_scaling: ``"linear"``, ``"sqrt"`` or ``None``: how the learning rate follows a
+            changed batch size.
+        compare_uncompressed: also search with the ``identity`` codec under the same
+            budget and report that size (:attr:`uncompressed_batch_size`).
+
+    Raises:
+        ValueError: unknown ``mode`` or ``lr_scaling``, ``margin`` outside [0, 1), or a
+            non-positive count.
+
+    Example:
+        >>> finder = CompressedBatchSizeFinder("binsearch", steps_per_trial=1, lr_scaling="sqrt")
+        >>> finder.lr_scaling, finder.compressed_batch_size
+        ('sqrt', None)
+    """
+
+    def __init__(
+        self,
+        mode: str = "binsearch",
+        *,
+        steps_per_trial: int = 3,
+        init_val: int = 2,
+        max_trials: int = 25,
+        batch_arg_name: str = "batch_size",
+        margin: float = 0.05,
+        max_val: int = 8192,
+        lr_scaling: str | None = None,
+        compare_uncompressed: bool = True,
+    ) -> None:
+        if not isinstance(mode, str) or mode.lower() not in self.SUPPORTED_MODES:
+            raise ValueError(f"mode={mode!r} is unknown; allowed values: {self.SUPPORTED_MODES}")
+        for name, value in (
+            ("steps_per_trial", steps_per_trial),
+            ("init_val", init_val),
+            ("max_trials", max_trials),
+            ("max_val", max_val),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if not 0.0 <= margin < 1.0:
+            raise ValueError(f"margin={margin!r} must be in [0, 1)")
+        if lr_scaling is not None and lr_scaling not in LR_SCALINGS:
+            raise ValueError(
+                f"lr_scaling={lr_scaling!r} is unknown; allowed values: {(*LR_SCALINGS, None)}"
+            )
+        super().__init__(
+            mode=mode,
+            steps_per_trial=steps_per_trial,
+            init_val=init_val,
+            max_trials=max_trials,
+            batch_arg_name=batch_arg_name,
+            margin=margin,
+            max_val=max_val,
+        )
+        self.lr_scaling = lr_scaling
+        self.compare_uncompressed = compare_uncompressed
+        self.initial_batch_size: int | None = None
+        self.compressed_batch_size: int | None = None
+        self.uncompressed_batch_size: int | None = None
+        self.lr_factor = 1.0
+        self._owned = False
+
+    @property
+    def batch_arg_name(self) -> str:
+        return self._batch_arg_name
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str | None = None) -> None:
+        if not self._owned:
+            raise MisconfigurationException(
+                "CompressedBatchSizeFinder runs inside ActivationCompression: pass it as "
+                "ActivationCompression(scale_batch_size=CompressedBatchSizeFinder(...)) "
+                "instead of Trainer(callbacks=[...])"
+            )
+        super().setup(trainer, pl_module, stage)
+
+    # The owning ActivationCompression starts the search; these hooks do nothing.
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        return None
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        return None
+
+    @override
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        return None
+
+    @override
+    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        return None
+
+    def search(
+        self, trainer: Trainer, pl_module: LightningModule, engine: ActivationCompressor
+    ) -> int | None:
+        """Run Lightning's search (twice with ``compare_uncompressed``) and scale the
+        learning rate; returns the batch size found with compression."""
+        from lightning_acgc.policies.fixed import FixedPolicy
+
+        self.initial_batch_size = lightning_getattr(pl_module, self._batch_arg_name)
+        if self.compare_uncompressed:
+            policy = engine.policy
+            engine.policy = FixedPolicy(CompressionConfig(codec="identity"))
+            try:
+                self.scale_batch_size(trainer, pl_module)
+            finally:
+                engine.policy = policy
+            self.uncompressed_batch_size = self.optimal_batch_size
+        self.scale_batch_size(trainer, pl_module)
+        self.compressed_batch_size = found = self.optimal_batch_size
+        if found is None:  # the tuner skipped (fast_dev_run)
+            return None
+        initial = self.initial_batch_size
+        if self.lr_scaling is not None and initial and found != initial:
+            self.lr_factor = lr_factor(initial, found, self.lr_scaling)
+            scale_learning_rates(trainer, self.lr_factor)
+        rank_zero_info(self.report())
+        metrics = self.metrics()
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        return found
+
+    def metrics(self) -> dict[str, float]:
+        """The search's numbers, as logged (``acgc/batch_size`` and friends)."""
+        out: dict[str, float] = {}
+        if self.compressed_batch_size is not None:
+            out["acgc/batch_size"] = float(self.compressed_batch_size)
+            out["acgc/lr_factor"] = float(self.lr_factor)
+        if self.uncompressed_batch_size is not None:
+            out["acgc/batch_size_uncompressed"] = float(self.uncompressed_batch_size)
+        return out
+
+    def report(self) -> str:
+        """One line: batch size found with and without compression, and the lr factor."""
+        text = (
+            f"lightning_acgc: batch size {self.initial_batch_size} -> {self.compressed_batch_size}"
+        )
+        text += " with compression"
+        if self.uncompressed_batch_size is not None:
+            text += f" ({self.uncompressed_batch_size} without)"
+        if self.lr_scaling is not None:
+            text += f"; learning rate x{self.lr_factor:.4g} ({self.lr_scaling} scaling)"
+        return text

@@ -1,0 +1,416 @@
+"""DIVISION dual-precision coding — pure-torch reference and CPU path.
+
+DIVISION (ICML 2023) keeps the low-frequency part of an activation map at higher
+precision and the high-frequency residual at very few bits.
+
+Pooled axes (:func:`pool_axes`): a 4-D (N, C, H, W) tensor is pooled over H and W in
+``block x block`` tiles, a 5-D one over its three last axes, a 3-D (N, L, D) sequence
+over L (axis 1), 2-D and 1-D tensors over their last axis; a 0-d tensor is not pooled.
+A partial tile at an edge is averaged over its real elements (no zero padding).
+
+Format (shared with the Triton kernels):
+
+* ``low``: the block averages, the shape of the input with each pooled axis of size
+  ``L`` shrunk to ``ceil(L / block)``; dtype ``low_dtype``, or float32 for a tensor whose
+  averages would overflow ``low_dtype`` (then ``low.dtype`` says so). Averages are taken
+  in float32 (float64 where a float32 sum overflows).
+* ``codes``, ``lo``, ``scale``: the float32 residual ``r = x - upsample(low)`` (flat,
+  row-major, the *stored* ``low`` upsampled, so that rounding ``low`` costs nothing)
+  in the format of :mod:`lightning_acgc.kernels.quant` with ``residual_bits``,
+  ``group_size`` and the seed.
+* ``res_exc_idx``/``res_exc_val``: that format's exception list; always empty, since
+  the residual is finite.
+* ``exc_idx`` (int64) / ``exc_val`` (the input dtype): flat indices and exact values of
+  the elements kept as they are: NaN/inf, and the rare finite value whose residual
+  overflows float32. Before pooling each NaN/inf is replaced by the mean of the finite
+  values of its tile (0 if there is none), so it neither moves the tile's average nor
+  widens the residual's range.
+* ``zero_mask`` (uint8, 1 bit per element, layout of :mod:`lightning_acgc.kernels.mask`)
+  and ``min_pos`` (float32, shape (1,), the smallest positive value): present only when
+  the finite values are non-negative and some are exactly 0 (ReLU outputs). Decoding
+  writes exact zeros there and clamps every other value to at least ``min_pos``, so the
+  zero pattern is kept and no positive value decodes to 0 or below.
+
+Decoding: ``x_hat = clamp(upsample(low) + r_hat, +-finfo(dtype).max)``, the zero mask
+applied, cast to the input dtype, the exceptions written back. Each element is within
+one residual step ``|scale|`` of its quant group of the input (plus the final rounding to
+the input dtype), and before the clamps ``E[x_hat] = x``: the residual's stochastic
+rounding is unbiased.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from types import ModuleType
+
+import torch
+
+from lightning_acgc.kernels.dispatch import use_triton
+from lightning_acgc.kernels.mask import mask_pack, mask_unpack
+from lightning_acgc.kernels.nonfinite import restore_exceptions
+from lightning_acgc.kernels.quant import quant_decode, quant_encode, quant_encode_ref
+
+__all__ = [
+    "division_decode",
+    "division_decode_ref",
+    "division_encode",
+    "division_encode_ref",
+    "division_lowpass_ref",
+    "division_upsample_ref",
+    "pool_axes",
+]
+
+_FP32_MAX = torch.finfo(torch.float32).max
+_TRITON_MODULE = "lightning_acgc.kernels.division_triton"
+
+
+def pool_axes(ndim: int) -> tuple[int, ...]:
+    """Axes pooled for a tensor of ``ndim`` dimensions.
+
+    4-D and wider: every axis after the first two (H, W for NCHW; D, H, W for NCDHW);
+    3-D (N, L, D): axis 1; 2-D and 1-D: the last axis; 0-d: none.
+    """
+    if ndim >= 4:
+        return tuple(range(2, ndim))
+    if ndim == 3:
+        return (1,)
+    if ndim >= 1:
+        return (ndim - 1,)
+    return ()
+
+
+def _check_block_axes(ndim: int, block: int, axes: Sequence[int] | None) -> tuple[int, ...]:
+    if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+        raise ValueError(f"block={block!r} must be an integer > 0")
+    if axes is None:
+        return pool_axes(ndim)
+    norm = []
+    for a in axes:
+        if not -ndim <= a < ndim:
+            raise ValueError(f"axes={tuple(axes)!r}: axis {a} is out of range for {ndim}-D")
+        norm.append(a % ndim)
+    if len(set(norm)) != len(norm):
+        raise ValueError(f"axes={tuple(axes)!r} repeats an axis")
+    return tuple(sorted(norm))
+
+
+def _pool_axis(t: torch.Tensor, axis: int, block: int, acc: torch.dtype) -> torch.Tensor:
+    """Averages of ``block`` consecutive entries along ``axis`` (the tail over its size).
+
+    Tile sums are taken in tile order (0 + x0 + x1 + ...), so that every implementation
+    (CPU, CUDA, Triton) gets the same bits; ``torch.sum`` promises no order.
+    """
+    size = t.shape[axis]
+    if size == 0:  # empty axis
+        return t.to(acc)
+    full, rem = divmod(size, block)
+    parts = []
+    for start, count, n in ((0, full * block, block), (full * block, rem, rem)):
+        if count == 0:
+            continue
+        tiles = t.narrow(axis, start, count).unflatten(axis, (count // n, n))
+        total = torch.zeros_like(tiles.select(axis + 1, 0), dtype=acc)
+        for k in range(n):
+            total = total + tiles.select(axis + 1, k)
+        parts.append(total.div_(n))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, axis)
+
+
+def division_lowpass_ref(
+    x: torch.Tensor, block: int, axes: Sequence[int] | None = None
+) -> torch.Tensor:
+    """Block average pool of ``x`` over ``axes`` (default :func:`pool_axes`).
+
+    Each pooled axis of size ``L`` becomes ``ceil(L / block)``; a partial tile at the edge
+    is averaged over its real elements. The pooling is separable, so it is done one axis
+    at a time (last axis first), each pass on an already shrunk tensor.
+
+    Returns:
+        float32 averages (float64 for a float64 input).
+
+    Raises:
+        ValueError: ``block`` is not a positive integer, or ``axes`` is out of range.
+    """
+    axes = _check_block_axes(x.ndim, block, axes)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    out = x
+    for axis in reversed(axes):
+        out = _pool_axis(out, axis, block, acc)
+    return out.to(acc, copy=True) if out is x else out
+
+
+def division_upsample_ref(
+    low: torch.Tensor,
+    shape: Sequence[int],
+    block: int,
+    axes: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Inverse layout of :func:`division_lowpass_ref`: every tile filled with its average.
+
+    Args:
+        low: the pooled tensor.
+        shape: the shape of the tensor that was pooled.
+        block: the tile edge used for pooling.
+        axes: the pooled axes (default :func:`pool_axes` of ``len(shape)``).
+
+    Returns:
+        A tensor of ``shape`` and ``low.dtype`` (a view of a fresh tensor).
+
+    Raises:
+        ValueError: ``low`` does not have the pooled shape of ``shape``.
+    """
+    shape = tuple(shape)
+    axes = _check_block_axes(len(shape), block, axes)
+    expected = tuple(-(-s // block) if i in axes else s for i, s in enumerate(shape))
+    if tuple(low.shape) != expected:
+        raise ValueError(
+            f"low has shape {tuple(low.shape)}; pooling {shape} over axes {axes} with "
+            f"block={block} gives {expected}"
+        )
+    view, expand, padded = [], [], []
+    for i, s in enumerate(expected):
+        view.append(s)
+        expand.append(s)
+        if i in axes:
+            view.append(1)
+            expand.append(block)
+            padded.append(s * block)
+        else:
+            padded.append(s)
+    up = low.reshape(view).expand(expand).reshape(padded)
+    for axis in axes:
+        if up.shape[axis] != shape[axis]:
+            up = up.narrow(axis, 0, shape[axis])
+    return up
+
+
+def _tile_shapes(
+    shape: Sequence[int], block: int, axes: tuple[int, ...]
+) -> tuple[list[int], list[int]] | None:
+    """(tiled shape of x, broadcast shape of low) when every pooled axis is whole tiles."""
+    tiled, bcast = [], []
+    for i, s in enumerate(shape):
+        if i in axes:
+            if s % block:
+                return None
+            tiled += [s // block, block]
+            bcast += [s // block, 1]
+        else:
+            tiled.append(s)
+            bcast.append(s)
+    return tiled, bcast
+
+
+def _with_upsampled(
+    t: torch.Tensor, low: torch.Tensor, block: int, axes: tuple[int, ...], subtract: bool
+) -> torch.Tensor:
+    """``t -/+ upsample(low)`` as a fresh contiguous tensor; one broadcast pass when the
+    pooled axes are whole tiles."""
+    shapes = _tile_shapes(t.shape, block, axes)
+    if shapes is None:
+        up = division_upsample_ref(low, t.shape, block, axes)
+        return t - up if subtract else t + up
+    tiled, bcast = shapes
+    tt, lb = t.reshape(tiled), low.reshape(bcast)
+    return (tt - lb if subtract else tt + lb).view(t.shape)
+
+
+def _set_aside_nonfinite(
+    xf: torch.Tensor, x: torch.Tensor, block: int, axes: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NaN/inf replaced by their tile's finite mean; their flat indices and exact values."""
+    finite = torch.isfinite(xf)
+    idx = (~finite).view(-1).nonzero().view(-1)
+    vals = x.reshape(-1)[idx].clone()
+    zeroed = torch.where(finite, xf, torch.zeros((), dtype=xf.dtype, device=xf.device))
+    sums = division_lowpass_ref(zeroed, block, axes)
+    if not torch.isfinite(sums).all():
+        sums = division_lowpass_ref(zeroed.double(), block, axes)
+    frac = division_lowpass_ref(finite.to(sums.dtype), block, axes)
+    tile_mean = torch.where(frac > 0, sums / frac.clamp(min=1e-30), 0.0).float()
+    fill = division_upsample_ref(tile_mean, xf.shape, block, axes)
+    return torch.where(finite, xf, fill), idx, vals
+
+
+def _encode(
+    x: torch.Tensor,
+    block: int,
+    residual_bits: int,
+    group_size: int,
+    low_dtype: torch.dtype,
+    seed: int,
+    backend: str,
+    noise: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """The encoder; ``backend`` picks the quant and mask kernels it calls."""
+    axes = _check_block_axes(x.ndim, block, None)
+    x0 = x.to(torch.float32, memory_format=torch.contiguous_format)
+    xf = x0
+    exc_idx = torch.empty(0, dtype=torch.int64, device=x.device)
+    exc_val = torch.empty(0, dtype=x.dtype, device=x.device)
+    lo, hi = torch.aminmax(xf)
+    if not bool(torch.isfinite(lo) & torch.isfinite(hi)):  # NaN propagates through aminmax
+        xf, exc_idx, exc_val = _set_aside_nonfinite(xf, x, block, axes)
+        lo, hi = torch.aminmax(xf)
+
+    low32 = division_lowpass_ref(xf, block, axes)
+    if not torch.isfinite(low32).all():  # float32 sums overflowed
+        low32 = division_lowpass_ref(xf.double(), block, axes).float()
+    low = low32.to(low_dtype)
+    if low_dtype != torch.float32 and not torch.isfinite(low).all():
+        low = low32  # averages beyond low_dtype's range: keep this tensor's in float32
+    r = _with_upsampled(xf, low.float(), block, axes, subtract=True)
+    if max(abs(float(lo)), abs(float(hi))) > _FP32_MAX / 2:  # |x - mean| may overflow
+        bad = ~torch.isfinite(r)
+        if bool(bad.any()):
+            idx = bad.view(-1).nonzero().view(-1)
+            exc_idx = torch.cat([exc_idx, idx])
+            exc_val = torch.cat([exc_val, x.reshape(-1)[idx]])
+            r = r.masked_fill(bad, 0.0)
+
+    if noise is not None:
+        q = quant_encode_ref(r, residual_bits, group_size, seed, noise=noise)
+    else:
+        q = quant_encode(r, residual_bits, group_size, seed, backend=backend)
+    payload = {
+        "low": low,
+        "codes": q["codes"],
+        "lo": q["lo"],
+        "scale": q["scale"],
+        "res_exc_idx": q["exc_idx"],
+        "res_exc_val": q["exc_val"],
+        "exc_idx": exc_idx,
+        "exc_val": exc_val,
+    }
+    if bool((lo == 0) & (hi > 0)):  # non-negative, with exact zeros: keep the zero pattern
+        payload["zero_mask"] = mask_pack(x0 == 0, backend)
+        inf = torch.full((), torch.inf, device=x.device)
+        payload["min_pos"] = torch.where(x0 > 0, x0, inf).amin().reshape(1)
+    return payload
+
+
+def _decode(
+    payload: dict[str, torch.Tensor],
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    block: int,
+    residual_bits: int,
+    group_size: int,
+    backend: str,
+) -> torch.Tensor:
+    """The decoder; ``backend`` picks the quant and mask kernels it calls."""
+    shape = torch.Size(shape)
+    axes = _check_block_axes(len(shape), block, None)
+    numel = shape.numel()
+    qp = {
+        "codes": payload["codes"],
+        "lo": payload["lo"],
+        "scale": payload["scale"],
+        "exc_idx": payload["res_exc_idx"],
+        "exc_val": payload["res_exc_val"],
+    }
+    r = quant_decode(qp, residual_bits, group_size, numel, torch.float32, backend=backend)
+    out = _with_upsampled(r.view(shape), payload["low"].float(), block, axes, subtract=False)
+    fmax = torch.finfo(dtype).max
+    out = out.clamp_(-fmax, fmax)
+    if "zero_mask" in payload:
+        zero = mask_unpack(payload["zero_mask"], numel, backend).view(shape)
+        out = torch.maximum(out, payload["min_pos"].view(())).masked_fill_(zero, 0.0)
+    flat = out.reshape(-1).to(dtype)
+    flat = restore_exceptions(flat, payload["exc_idx"], payload["exc_val"])
+    return flat.view(shape)
+
+
+def division_encode_ref(
+    x: torch.Tensor,
+    block: int,
+    residual_bits: int,
+    group_size: int,
+    low_dtype: torch.dtype,
+    seed: int,
+    noise: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """Encode a non-empty floating tensor (float32, float16 or bfloat16) in pure torch.
+
+    Args:
+        x: the tensor, any shape and strides.
+        block: tile edge of the average pool.
+        residual_bits: bits per residual value (1, 2, 4, 8).
+        group_size: residual values sharing one min/scale pair (multiple of 8).
+        low_dtype: dtype of the stored averages (float32 where they would overflow it).
+        seed: seed of the residual's stochastic rounding.
+        noise: U[0, 1) noise of shape (G, group_size) replacing the seeded draw, so that
+            other implementations can be compared exactly.
+
+    Returns:
+        The payload described at the top of this module.
+    """
+    return _encode(x, block, residual_bits, group_size, low_dtype, seed, "torch", noise)
+
+
+def division_decode_ref(
+    payload: dict[str, torch.Tensor],
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    block: int,
+    residual_bits: int,
+    group_size: int,
+) -> torch.Tensor:
+    """Decode a payload of :func:`division_encode_ref` to a tensor of ``shape``, ``dtype``."""
+    return _decode(payload, shape, dtype, block, residual_bits, group_size, "torch")
+
+
+def _fused_triton() -> ModuleType | None:
+    """The fused Triton module, or ``None`` while it has not been written (any other
+    import error is raised)."""
+    try:
+        return importlib.import_module(_TRITON_MODULE)
+    except ModuleNotFoundError as err:
+        if err.name != _TRITON_MODULE:
+            raise
+        return None
+
+
+def division_encode(
+    x: torch.Tensor,
+    block: int,
+    residual_bits: int,
+    group_size: int,
+    low_dtype: torch.dtype,
+    seed: int,
+    backend: str = "auto",
+) -> dict[str, torch.Tensor]:
+    """Encode through Triton or the torch reference (see :func:`use_triton`).
+
+    Without a fused kernel module (``division_triton``) the Triton path runs the reference
+    with the Triton quant and mask kernels.
+    """
+    if use_triton(x, backend):
+        fused = _fused_triton()
+        if fused is not None:
+            return fused.division_encode_triton(
+                x, block, residual_bits, group_size, low_dtype, seed
+            )
+        return _encode(x, block, residual_bits, group_size, low_dtype, seed, backend)
+    return division_encode_ref(x, block, residual_bits, group_size, low_dtype, seed)
+
+
+def division_decode(
+    payload: dict[str, torch.Tensor],
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    block: int,
+    residual_bits: int,
+    group_size: int,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Decode through Triton or the torch reference (see :func:`use_triton`)."""
+    if use_triton(payload["low"], backend):
+        fused = _fused_triton()
+        if fused is not None:
+            return fused.division_decode_triton(
+                payload, shape, dtype, block, residual_bits, group_size
+            )
+        return _decode(payload, shape, dtype, block, residual_bits, group_size, backend)
+    return division_decode_ref(payload, shape, dtype, block, residual_bits, group_size)

@@ -1,0 +1,402 @@
+"""Triton kernels of the ``quant`` codec: fused encode and decode, same format as the
+torch reference in :mod:`lightning_acgc.kernels.quant` (read its docstring for the format).
+
+Encode is one pass over the data: each program loads a ``[GROUPS_PER_PROG, group]`` block,
+reduces min/max (and the smallest positive value for zero-kept groups), draws Philox noise
+(``tl.rand4x``) or reads injected noise, rounds, packs the codes to bytes and writes them
+with ``lo``/``scale``. Decode unpacks and writes straight into the output dtype.
+
+Exactness against the reference:
+
+* With injected ``noise`` the payload is bit-identical to ``quant_encode_ref(..., noise)``
+  (same float32 operations in the same order: IEEE division ``div_rn``, ``mul.rn`` so that
+  the compiler cannot fuse ``t * inv + u`` into an FMA).
+* Without it the codes come from Triton's Philox stream, not torch's generator: valid
+  codes of the same distribution (unbiased, within one step), not the same bytes.
+* Decode equals ``quant_decode_ref`` bit for bit, including its float64 path: the
+  reference computes ``lo + q * step`` with ``addcmul``, which torch evaluates as one FMA;
+  the kernel calls ``tl.fma``.
+
+Rare cases: tensors holding NaN/inf get their exception list and filled groups from the
+reference's own torch helper (then the kernel runs on the filled groups); tensors with a
+group range beyond float32 or a subnormal step (whose inverse overflows) are encoded by
+the reference itself (it switches that whole tensor to float64).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from lightning_acgc.kernels._triton_utils import (
+    LAUNCH_OPTIONS,
+    check_contiguous,
+    check_device,
+    check_dtype,
+    interpreting,
+    mul_rn,
+    next_power_of_2,
+    philox_seed,
+    rows_per_program,
+    store_narrow,
+    uniform_rows,
+)
+from lightning_acgc.kernels.nonfinite import fill_nonfinite_rows, restore_exceptions
+from lightning_acgc.kernels.quant import group_view, quant_encode_ref
+
+__all__ = ["quant_decode_triton", "quant_encode_triton"]
+
+_IN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_ALLOWED_BITS = (1, 2, 4, 8)
+
+# Values of the per-group status the encode kernel writes (the launcher reads the max).
+_OK, _FLOAT64, _NONFINITE = 0, 1, 2
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _quant_encode_kernel(
+    x_ptr,  # *fp32|fp16|bf16 [numel], contiguous input
+    noise_ptr,  # *fp32 [n_groups, GROUP] injected U[0,1) noise; read only if USE_NOISE
+    codes_ptr,  # *u8 [n_groups * GROUP * BITS // 8] packed codes (out)
+    lo_ptr,  # *fp32 [n_groups] value of code 0, of code 1 in zero-kept groups (out)
+    scale_ptr,  # *fp32 [n_groups] step between codes, sign bit set if zero-kept (out)
+    status_ptr,  # *u8 [n_groups] 0 ok, 1 needs float64 (see below), 2 NaN/inf inside (out)
+    numel,  # elements of x; the tail group is padded with x[numel - 1]
+    n_groups,  # cdiv(numel, GROUP)
+    seed,  # Philox seed (non-negative, < 2**63)
+    GROUP: tl.constexpr,  # group size, a multiple of 8
+    GROUP_P2: tl.constexpr,  # next power of two >= GROUP (block width)
+    BITS: tl.constexpr,  # 1, 2, 4 or 8
+    GPP: tl.constexpr,  # groups per program (block height), a power of two
+    USE_NOISE: tl.constexpr,  # read noise_ptr instead of drawing Philox noise
+    IDX64: tl.constexpr,  # element indices need 64 bits
+    INTERPRET: tl.constexpr,  # running on the CPU interpreter
+):
+    pid = tl.program_id(0)
+    rows = pid * GPP + tl.arange(0, GPP)
+    if IDX64:
+        rows = rows.to(tl.int64)
+    cols = tl.arange(0, GROUP_P2)
+    row_ok = rows < n_groups
+    ok = row_ok[:, None] & (cols < GROUP)[None, :]
+    idx = rows[:, None] * GROUP + cols[None, :]
+    # Padding past numel repeats the last element, as the reference's group_view does.
+    x = tl.load(x_ptr + tl.minimum(idx, numel - 1), mask=ok, other=0.0).to(tl.float32)
+
+    # NaN/inf: flag the group (the launcher redoes it) and compute on zeros meanwhile.
+    bad = (x != x) | (tl.abs(x) == float("inf"))
+    x = tl.where(bad, 0.0, x)
+    lo = tl.min(tl.where(ok, x, float("inf")), axis=1)
+    hi = tl.max(tl.where(ok, x, float("-inf")), axis=1)
+    lo = tl.where(row_ok, lo, 0.0)
+    hi = tl.where(row_ok, hi, 0.0)
+
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    if BITS > 1:
+        # Zero-kept group: min exactly 0 and max > 0. Code 0 is an exact zero, codes
+        # 1..LEVELS cover [smallest positive, max].
+        zk = (lo == 0.0) & (hi > 0.0)
+        min_pos = tl.min(tl.where(ok & (x > 0.0), x, float("inf")), axis=1)
+        lo = tl.where(zk, min_pos, lo)
+        top = tl.where(zk, LEVELS - 1.0, LEVELS * 1.0)
+    else:
+        zk = lo != lo  # all False: 1-bit groups never keep zeros
+        top = tl.full(lo.shape, LEVELS * 1.0, tl.float32)
+    rng = hi - lo
+    step = tl.div_rn(rng, top)
+    pos = step > 0.0
+    inv = tl.div_rn(tl.full(step.shape, 1.0, tl.float32), tl.where(pos, step, 1.0))
+    # The reference redoes the whole tensor in float64 when a range overflows float32 or
+    # a (subnormal) step has no finite inverse; flag it, keep this pass finite.
+    wide = (rng == float("inf")) | (inv == float("inf"))
+    inv = tl.where(pos & ~wide, inv, 0.0)
+    base = tl.where(wide, 0.0, lo)
+    t = mul_rn(x - base[:, None], inv[:, None], INTERPRET)  # then + u: no FMA, as torch
+
+    if USE_NOISE:
+        u = tl.load(noise_ptr + idx, mask=ok, other=0.0)
+    else:
+        u = uniform_rows(seed, rows, GROUP, GROUP_P2)
+    q = tl.floor(t + u)
+    q = tl.minimum(tl.maximum(q, 0.0), top[:, None])
+    qi = q.to(tl.int32)
+    if BITS > 1:
+        qi += ((x != 0.0) & zk[:, None]).to(tl.int32)
+
+    if BITS == 8:
+        tl.store(codes_ptr + idx, qi.to(tl.uint8), mask=ok)
+    else:
+        PER: tl.constexpr = 8 // BITS  # codes per byte; code k at bit BITS * k
+        NB: tl.constexpr = GROUP // PER  # bytes per group
+        NB_P2: tl.constexpr = GROUP_P2 // PER
+        q3 = tl.reshape(qi, (GPP, NB_P2, PER))
+        shifts = tl.arange(0, PER) * BITS
+        packed = tl.sum(q3 << shifts[None, None, :], axis=2)  # disjoint bits: sum == or
+        bcols = tl.arange(0, NB_P2)
+        bidx = rows[:, None] * NB + bcols[None, :]
+        bok = row_ok[:, None] & (bcols < NB)[None, :]
+        tl.store(codes_ptr + bidx, packed.to(tl.uint8), mask=bok)
+
+    tl.store(lo_ptr + rows, lo, mask=row_ok)
+    tl.store(scale_ptr + rows, tl.where(zk, -step, step), mask=row_ok)
+    n_bad = tl.sum(bad.to(tl.int32), axis=1)
+    status = tl.where(n_bad > 0, 2, tl.where(wide, 1, 0))
+    tl.store(status_ptr + rows, status.to(tl.uint8), mask=row_ok)
+
+
+@triton.jit
+def _quant_decode_kernel(
+    codes_ptr,  # *u8 [n_groups * GROUP * BITS // 8] packed codes
+    lo_ptr,  # *fp32 [n_groups]
+    scale_ptr,  # *fp32 [n_groups], sign bit marks zero-kept groups
+    f64_ptr,  # *u8 [] nonzero: compute in float64 (some lo + levels * step overflows)
+    out_ptr,  # *fp32|fp16|int16 (bfloat16 bits)|fp64 [numel] decoded values (out)
+    numel,  # values to write
+    n_groups,  # groups in the payload
+    GROUP: tl.constexpr,  # group size, a multiple of 8
+    GROUP_P2: tl.constexpr,  # next power of two >= GROUP
+    BITS: tl.constexpr,  # 1, 2, 4 or 8
+    GPP: tl.constexpr,  # groups per program, a power of two
+    IDX64: tl.constexpr,  # element indices need 64 bits
+    OUT_KIND: tl.constexpr,  # out_ptr holds 0 float32, 1 float16, 2 bfloat16 bits, 3 float64
+):
+    PER: tl.constexpr = 8 // BITS
+    NB: tl.constexpr = GROUP // PER
+    NB_P2: tl.constexpr = GROUP_P2 // PER
+    pid = tl.program_id(0)
+    rows = pid * GPP + tl.arange(0, GPP)
+    if IDX64:
+        rows = rows.to(tl.int64)
+    row_ok = rows < n_groups
+    bcols = tl.arange(0, NB_P2)
+    bidx = rows[:, None] * NB + bcols[None, :]
+    bok = row_ok[:, None] & (bcols < NB)[None, :]
+    byte = tl.load(codes_ptr + bidx, mask=bok, other=0).to(tl.int32)
+    k = tl.arange(0, PER)
+    q = (byte[:, :, None] >> (k * BITS)[None, None, :]) & ((1 << BITS) - 1)  # [GPP, NB_P2, PER]
+    idx = bidx[:, :, None] * PER + k[None, None, :]  # == row * GROUP + col
+    ok = bok[:, :, None] & (idx < numel)
+
+    lo = tl.load(lo_ptr + rows, mask=row_ok, other=0.0)
+    scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
+    zk = scale.to(tl.int32, bitcast=True) < 0  # signbit, also for -0.0
+    step = tl.abs(scale)
+    zk3 = zk[:, None, None]
+    qf = q - zk3.to(tl.int32)  # zero-kept: code c >= 1 is lo + (c - 1) * step
+    exact_zero = zk3 & (q == 0)
+    # (each branch stores its own variable: compiled Triton merges same-named variables
+    # of the two branches, which must then have one type)
+    if tl.load(f64_ptr) != 0:
+        w = tl.fma(
+            qf.to(tl.float64), step.to(tl.float64)[:, None, None], lo.to(tl.float64)[:, None, None]
+        )
+        w = tl.where(exact_zero, 0.0, w)
+        if OUT_KIND != 3:
+            w = w.to(tl.float32)  # torch narrows float64 to half types through float32
+        tl.store(out_ptr + idx, store_narrow(w, OUT_KIND), mask=ok)
+    else:
+        v = tl.fma(qf.to(tl.float32), step[:, None, None], lo[:, None, None])
+        v = tl.where(exact_zero, 0.0, v)
+        tl.store(out_ptr + idx, store_narrow(v, OUT_KIND), mask=ok)
+
+
+def _check_config(bits: int, group_size: int) -> None:
+    if isinstance(bits, bool) or bits not in _ALLOWED_BITS:
+        raise ValueError(f"bits={bits!r} is not allowed; allowed values: {list(_ALLOWED_BITS)}")
+    if (
+        isinstance(group_size, bool)
+        or not isinstance(group_size, int)
+        or group_size <= 0
+        or group_size % 8
+    ):
+        raise ValueError(f"group_size={group_size!r} must be a positive multiple of 8")
+
+
+@triton_op("lightning_acgc::quant_encode_core", mutates_args=())
+def _quant_encode_core(
+    x: torch.Tensor, noise: torch.Tensor | None, bits: int, group_size: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One launch of the encode kernel: ``(codes, lo, scale, status)``; the caller
+    checked the arguments. A ``torch.library`` op so that ``torch.compile`` can trace it."""
+    numel = x.numel()
+    n_groups = triton.cdiv(numel, group_size)
+    group_p2 = next_power_of_2(group_size)
+    gpp = rows_per_program(group_p2, n_groups)
+    codes = torch.empty(n_groups * group_size * bits // 8, dtype=torch.uint8, device=x.device)
+    lo = torch.empty(n_groups, dtype=torch.float32, device=x.device)
+    scale = torch.empty_like(lo)
+    status = torch.empty(n_groups, dtype=torch.uint8, device=x.device)
+    wrap_triton(_quant_encode_kernel)[(triton.cdiv(n_groups, gpp),)](
+        x,
+        noise if noise is not None else lo,
+        codes,
+        lo,
+        scale,
+        status,
+        numel,
+        n_groups,
+        seed,
+        GROUP=group_size,
+        GROUP_P2=group_p2,
+        BITS=bits,
+        GPP=gpp,
+        USE_NOISE=noise is not None,
+        IDX64=(n_groups + gpp) * group_p2 >= 2**31,
+        INTERPRET=interpreting(),
+        **LAUNCH_OPTIONS,
+    )
+    return codes, lo, scale, status
+
+
+@triton_op("lightning_acgc::quant_decode_core", mutates_args=())
+def _quant_decode_core(
+    codes: torch.Tensor,
+    lo: torch.Tensor,
+    scale: torch.Tensor,
+    bits: int,
+    group_size: int,
+    numel: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """One launch of the decode kernel (no exceptions restored); the caller checked the
+    arguments. A ``torch.library`` op so that ``torch.compile`` can trace it."""
+    n_groups = lo.numel()
+    levels = float(2**bits - 1)
+    # The reference decodes the whole tensor in float64 when any lo + levels * step
+    # overflows float32; this flag stays on the device (no host sync).
+    use_f64 = (~torch.isfinite(lo + levels * scale.abs())).any().view(1).to(torch.uint8)
+    group_p2 = next_power_of_2(group_size)
+    gpp = rows_per_program(group_p2, n_groups)
+    out = torch.empty(numel, dtype=dtype, device=lo.device)
+    wrap_triton(_quant_decode_kernel)[(triton.cdiv(n_groups, gpp),)](
+        codes,
+        lo,
+        scale,
+        use_f64,
+        out.view(torch.int16) if dtype == torch.bfloat16 else out,
+        numel,
+        n_groups,
+        GROUP=group_size,
+        GROUP_P2=group_p2,
+        BITS=bits,
+        GPP=gpp,
+        IDX64=(n_groups + gpp) * group_p2 >= 2**31,
+        OUT_KIND=_OUT_DTYPES.index(dtype),
+        **LAUNCH_OPTIONS,
+    )
+    return out
+
+
+def quant_encode_triton(
+    x: torch.Tensor,
+    bits: int,
+    group_size: int,
+    seed: int,
+    noise: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """Encode ``x`` in the format of :func:`~lightning_acgc.kernels.quant.quant_encode_ref`.
+
+    Args:
+        x: non-empty contiguous float32/float16/bfloat16 tensor on a CUDA device (or any
+            device under ``TRITON_INTERPRET=1``).
+        bits: bits per code, 1, 2, 4 or 8.
+        group_size: values per group, a positive multiple of 8.
+        seed: Philox seed of the stochastic rounding.
+        noise: optional float32 ``(G, group_size)`` U[0, 1) noise used instead of the
+            Philox draw; with it the payload equals ``quant_encode_ref(..., noise=noise)``.
+
+    Returns:
+        The payload dict: ``codes``, ``lo``, ``scale``, ``exc_idx``, ``exc_val``.
+
+    Raises:
+        RuntimeError: Triton cannot run on ``x``'s device.
+        TypeError: ``x`` or ``noise`` has an unsupported dtype.
+        ValueError: bad ``bits``/``group_size``, empty or non-contiguous ``x``, or
+            ``noise`` of the wrong shape or device.
+    """
+    _check_config(bits, group_size)
+    check_device(x, "x")
+    check_dtype(x, "x", _IN_DTYPES)
+    check_contiguous(x, "x")
+    if x.numel() == 0:
+        raise ValueError("x is empty; the quant codec keeps empty tensors as they are")
+    n_groups = triton.cdiv(x.numel(), group_size)
+    if noise is not None:
+        check_dtype(noise, "noise", (torch.float32,))
+        check_contiguous(noise, "noise")
+        if tuple(noise.shape) != (n_groups, group_size) or noise.device != x.device:
+            raise ValueError(
+                f"noise must have shape {(n_groups, group_size)} on {x.device}, got "
+                f"{tuple(noise.shape)} on {noise.device}"
+            )
+    seed = philox_seed(seed)
+    codes, lo, scale, status = _quant_encode_core(x, noise, bits, group_size, seed)
+    exc_idx = torch.empty(0, dtype=torch.int64, device=x.device)
+    exc_val = torch.empty(0, dtype=x.dtype, device=x.device)
+    worst = int(status.max())  # the one host sync: the payload's shape depends on it
+    if worst == _NONFINITE:
+        # Exceptions and fill values exactly as the reference computes them; then the
+        # kernel quantizes the filled (already padded) groups.
+        xg, exc_idx, exc_val = fill_nonfinite_rows(group_view(x, group_size))
+        keep = exc_idx < x.numel()  # padding copies of a non-finite last value
+        exc_idx, exc_val = exc_idx[keep], exc_val[keep].to(x.dtype)
+        codes, lo, scale, status = _quant_encode_core(xg.reshape(-1), noise, bits, group_size, seed)
+        worst = int(status.max())
+    if worst == _FLOAT64:
+        # A group's range exceeds float32, or its step is subnormal (1 / step overflows):
+        # the reference switches the whole tensor to float64, so let it encode this (rare)
+        # tensor. Its codes then come from torch's generator unless noise was injected.
+        return quant_encode_ref(x, bits, group_size, seed, noise=noise)
+    return {"codes": codes, "lo": lo, "scale": scale, "exc_idx": exc_idx, "exc_val": exc_val}
+
+
+def quant_decode_triton(
+    payload: dict[str, torch.Tensor],
+    bits: int,
+    group_size: int,
+    numel: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Decode a ``quant`` payload (from either path) into a flat tensor of ``numel`` values.
+
+    Args:
+        payload: ``codes``, ``lo``, ``scale``, ``exc_idx``, ``exc_val`` as the encoders write.
+        bits: bits per code, 1, 2, 4 or 8.
+        group_size: values per group, a positive multiple of 8.
+        numel: values to decode (the original tensor's ``numel``).
+        dtype: output dtype (float32, float16, bfloat16 or float64).
+
+    Returns:
+        A new flat tensor equal to ``quant_decode_ref`` with the same arguments.
+
+    Raises:
+        RuntimeError: Triton cannot run on the payload's device.
+        TypeError: a payload tensor or ``dtype`` is not supported.
+        ValueError: bad ``bits``/``group_size``, or sizes that do not fit together.
+    """
+    _check_config(bits, group_size)
+    codes, lo, scale = payload["codes"], payload["lo"], payload["scale"]
+    check_device(lo, "payload['lo']")
+    check_dtype(codes, "payload['codes']", (torch.uint8,))
+    check_dtype(lo, "payload['lo']", (torch.float32,))
+    check_dtype(scale, "payload['scale']", (torch.float32,))
+    if dtype not in _OUT_DTYPES:
+        raise TypeError(f"dtype={dtype} is not supported; allowed: {[str(d) for d in _OUT_DTYPES]}")
+    for name, t in (("codes", codes), ("lo", lo), ("scale", scale)):
+        check_contiguous(t, f"payload['{name}']")
+        if t.device != lo.device:
+            raise ValueError(f"payload['{name}'] is on {t.device}, payload['lo'] on {lo.device}")
+    n_groups = lo.numel()
+    if scale.numel() != n_groups or codes.numel() != n_groups * group_size * bits // 8:
+        raise ValueError(
+            f"payload sizes do not fit: {n_groups} groups of {group_size} at {bits} bits need "
+            f"{n_groups} scales and {n_groups * group_size * bits // 8} code bytes, got "
+            f"{scale.numel()} and {codes.numel()}"
+        )
+    if not (n_groups - 1) * group_size < numel <= n_groups * group_size:
+        raise ValueError(f"numel={numel} does not match {n_groups} groups of {group_size}")
+    out = _quant_decode_core(codes, lo, scale, bits, group_size, numel, dtype)
+    return restore_exceptions(out, payload["exc_idx"], payload["exc_val"])

@@ -1,0 +1,306 @@
+"""``acgc``: per-tensor error bounds from an allowed relative gradient error (AC-GC).
+
+The user states ``gradient_error`` e: the compressed gradient ĝ should satisfy
+E‖ĝ − g‖² ≤ e²‖g‖². On calibration steps the policy reads each module's output-gradient
+norm (cheap tensor hooks, no second forward) and the parameter-gradient norm, turns them
+into each saved tensor's sensitivity c_t (:mod:`lightning_acgc.policies.error_model`) and
+chooses error bounds for the ``bounded`` codec: with bound eb the error per element has
+variance ≤ eb²/3, so tensor t adds c_t·eb_t²/3. Minimizing the bits Σ n_t·log2(R_t/eb_t)
+under Σ c_t·eb_t²/3 = E gives each tensor the share E·n_t/N, i.e.
+
+    eb_t = sqrt(3 · E · n_t / (N · c_t)),   E = target · e² · ‖g‖² / κ,
+
+averaged over the last ``history`` calibrations, as AC-GC does. ``target`` (0.35) leaves
+room for drift between calibrations.
+
+Verify, don't trust: with ``verify=True`` the adapter computes the exact gradient on
+calibration steps. The statistics of that exact pass set the bounds used by the same
+step's compressed pass, so the logged ``grad_error`` = ‖ĝ − g‖/‖g‖ measures exactly the
+bounds in force. κ is the largest ratio of measured to modelled error over the last
+``history`` readings (4 before the first): a reading above the model tightens every
+later bound at once, and bounds loosen only when such readings age out. A measurement
+above e is logged as ``tightened`` = 1. With ``verify=False`` no exact gradient is
+computed: the compressed pass's statistics set the bounds of the following steps and κ
+keeps its last value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections import deque
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_acgc.codecs.base import Codec
+from lightning_acgc.config import CompressionConfig
+from lightning_acgc.engine.meter import SiteRecord
+from lightning_acgc.engine.sites import SiteInfo
+from lightning_acgc.policies._schedule import check_int, is_calibration_step, round_bound_down
+from lightning_acgc.policies.base import Policy, Reduce
+from lightning_acgc.policies.error_model import NORM_TYPES, tensor_sensitivities
+from lightning_acgc.policies.gradient_stats import GradientStats
+
+__all__ = ["ACGCPolicy"]
+
+_UNCONSTRAINED = 1e30  # bound for a tensor no gradient depends on
+
+
+class ACGCPolicy(Policy):
+    """Error-bounded compression with bounds derived from an allowed gradient error.
+
+    Args:
+        gradient_error: allowed relative gradient error e (0 < e < 1).
+        calibrate_every: steps between calibrations (after the first ``warmup_steps``).
+        verify: compute the exact gradient on calibration steps, log the measured error
+            and correct the bounds with it.
+        warmup_steps: the first steps of fit all calibrate.
+        history: calibrations averaged (AC-GC averages its last readings).
+        initial_relative_bound: bound, relative to each tensor's range, before the first
+            calibration and for sites never seen.
+        group_size: values per group of the ``bounded`` codec.
+        target: fraction of e² the modelled error aims at (room for drift).
+        config: engine settings (backend, min_numel, seed); its codec is ignored.
+
+    Example:
+        >>> policy = ACGCPolicy(gradient_error=0.05, calibrate_every=50)
+        >>> policy.needs_exact_gradient(0), policy.needs_exact_gradient(7)
+        (True, False)
+    """
+
+    name = "acgc"
+    default_codec = "bounded"
+    initial_kappa = 4.0
+
+    def __init__(
+        self,
+        gradient_error: float = 0.05,
+        calibrate_every: int = 100,
+        verify: bool = True,
+        warmup_steps: int = 3,
+        history: int = 3,
+        initial_relative_bound: float = 1e-3,
+        group_size: int = 256,
+        target: float = 0.35,
+        config: CompressionConfig | None = None,
+    ) -> None:
+        if isinstance(gradient_error, bool) or not (
+            isinstance(gradient_error, (int, float)) and 0 < gradient_error < 1
+        ):
+            raise ValueError(f"gradient_error={gradient_error!r} must be a number in (0, 1)")
+        check_int("calibrate_every", calibrate_every, 1)
+        check_int("warmup_steps", warmup_steps, 1)
+        check_int("history", history, 1)
+        if not 0 < initial_relative_bound < 1:
+            raise ValueError(f"initial_relative_bound={initial_relative_bound!r} must be in (0, 1)")
+        if not 0 < target <= 1:
+            raise ValueError(f"target={target!r} must be in (0, 1]")
+        self.gradient_error = float(gradient_error)
+        self.calibrate_every = calibrate_every
+        self.verify = verify
+        self.warmup_steps = warmup_steps
+        self.history = history
+        self.initial_relative_bound = initial_relative_bound
+        self.group_size = group_size
+        self.target = target
+        self.config = config or CompressionConfig(codec="bounded")
+        self.stats = GradientStats()
+        self.bounds: dict[str, float] = {}
+        self.kappa = self.initial_kappa
+        self._readings: deque[float] = deque(maxlen=history)
+        self._sens: dict[str, deque[tuple[int, float, float]]] = {}
+        self._grad_sq: deque[float] = deque(maxlen=history)
+        self._structure: dict[str, SiteRecord] = {}
+        self._inv_var: dict[str, float] = {}
+        self._codecs: dict[tuple[float, bool], Codec] = {}
+        self._predicted: float | None = None
+        self._exact: dict[str, torch.Tensor] | None = None
+        self._calibrating = False
+        self._metrics: dict[str, float] = {}
+
+    # -- codecs ---------------------------------------------------------------
+    def _codec(self, bound: float, relative: bool) -> Codec:
+        codec = self._codecs.get((bound, relative))
+        if codec is None:
+            options = {"error_bound": bound, "relative": relative, "group_size": self.group_size}
+            cfg = CompressionConfig(
+                codec="bounded", codec_options=options, backend=self.config.backend
+            )
+            codec = self._codecs[(bound, relative)] = cfg.build_codec()
+        return codec
+
+    def codec_for(self, site: SiteInfo, x: torch.Tensor) -> Codec | None:
+        if self._calibrating and site.module_type in NORM_TYPES:
+            var = float(x.detach().float().var())
+            if var > 0 and math.isfinite(var):
+                self._inv_var[site.key] = 1.0 / var
+        bound = self.bounds.get(site.key)
+        if bound is None:
+            return self._codec(self.initial_relative_bound, True)
+        return self._codec(bound, False)
+
+    def describe(self, codec: Codec) -> str:
+        cfg = codec.config
+        return f"{'rel' if cfg.relative else 'eb'}={cfg.error_bound:.3g}"
+
+    # -- calibration cycle ------------------------------------------------------
+    def setup(self, model: nn.Module) -> None:
+        self.stats.setup(model)
+
+    def is_calibration_step(self, step: int) -> bool:
+        return is_calibration_step(step, self.calibrate_every, self.warmup_steps)
+
+    def begin_step(self, step: int) -> None:
+        self._calibrating = self.is_calibration_step(step)
+        self._exact = None
+        self._predicted = None
+        self._metrics = {}
+        if self._calibrating:
+            self.stats.start()
+
+    def needs_exact_gradient(self, step: int) -> bool:
+        return self.verify and self.is_calibration_step(step)
+
+    def set_exact_gradients(
+        self, grads: dict[str, torch.Tensor], reduce: Reduce | None = None
+    ) -> None:
+        """Statistics of the exact pass set the bounds of this step's compressed pass."""
+        self._exact = {k: g.detach() for k, g in grads.items() if g is not None}
+        if not self._calibrating:
+            return
+        start = time.perf_counter()
+        grad_sq = self.stats.stop()
+        g_sq = sum(float(g.double().square().sum()) for g in self._exact.values())
+        g_sq, _, grad_sq = self._reduce(reduce, g_sq, 0.0, grad_sq)
+        if self._structure:
+            self._calibrate(grad_sq, g_sq)
+        self._metrics["calib_ms"] = 1e3 * (time.perf_counter() - start)
+
+    def end_step(self, step: int, model: nn.Module, reduce: Reduce) -> None:
+        if not self._calibrating:
+            return
+        self._calibrating = False
+        start = time.perf_counter()
+        grad_sq = self.stats.stop()
+        g_sq, err_sq = self._gradient_norms(model)
+        g_sq, err_sq, grad_sq = self._reduce(reduce, g_sq, err_sq, grad_sq)
+        if self.engine is not None:
+            self._structure = {
+                k: dataclasses.replace(r) for k, r in self.engine.stats.sites.items()
+            }
+        if self._exact is not None and g_sq > 0:
+            self._measure(g_sq, err_sq)
+        elif self._exact is None and g_sq > 0:
+            self._calibrate(grad_sq, g_sq)  # cheap mode: bounds for the next steps
+        self._metrics["calib_ms"] = self._metrics.get("calib_ms", 0.0) + 1e3 * (
+            time.perf_counter() - start
+        )
+        self._metrics["kappa"] = self.kappa
+        finite = [math.log10(b) for b in self.bounds.values() if b < _UNCONSTRAINED]
+        if finite:
+            self._metrics["log10_bound"] = sum(finite) / len(finite)
+
+    def _reduce(
+        self, reduce: Reduce | None, g_sq: float, err_sq: float, grad_sq: dict[str, float]
+    ) -> tuple[float, float, dict[str, float]]:
+        """Average the step's statistics over ranks, so every rank gets the same bounds."""
+        if reduce is None:
+            return g_sq, err_sq, grad_sq
+        names = sorted(self.stats.fan_in.keys() | grad_sq.keys())
+        values = [g_sq, err_sq, *(grad_sq.get(n, 0.0) for n in names)]
+        vec = reduce(torch.tensor(values, dtype=torch.float64)).tolist()
+        return vec[0], vec[1], dict(zip(names, vec[2:], strict=True))
+
+    def _gradient_norms(self, model: nn.Module) -> tuple[float, float]:
+        """‖g‖² of the reference gradient and ‖ĝ − g‖² (0 without an exact gradient)."""
+        g_sq = torch.zeros((), dtype=torch.float64)
+        err_sq = torch.zeros((), dtype=torch.float64)
+        for name, p in model.named_parameters():
+            if p.grad is None:
+                continue
+            got = p.grad.detach().double()
+            ref = self._exact.get(name) if self._exact is not None else None
+            if ref is None:
+                g_sq += got.square().sum()
+            else:
+                ref = ref.double()
+                g_sq += ref.square().sum()
+                err_sq += (got - ref).square().sum()
+        return float(g_sq), float(err_sq)
+
+    def _measure(self, g_sq: float, err_sq: float) -> None:
+        """Log the measured error; compare it with the model's prediction for these bounds."""
+        ratio = math.sqrt(err_sq / g_sq)
+        self._metrics["grad_error"] = ratio
+        self._metrics["tightened"] = float(ratio > self.gradient_error)
+        if self._predicted is not None and self._predicted > 0:
+            self._readings.append(max(err_sq / self._predicted, 1e-3))
+            self.kappa = max(self._readings)
+
+    def _calibrate(self, grad_sq: dict[str, float], g_sq: float) -> None:
+        sens = tensor_sensitivities(self._structure, grad_sq, self.stats.fan_in, self._inv_var)
+        for key, s in sens.items():
+            self._sens.setdefault(key, deque(maxlen=self.history)).append(
+                (s.numel, s.weight, s.other)
+            )
+        self._grad_sq.append(g_sq)
+        self._allocate()
+        self._predicted = sum(
+            s.total * self.bounds[k] ** 2 / 3
+            for k, s in sens.items()
+            if self.bounds.get(k, _UNCONSTRAINED) < _UNCONSTRAINED
+        )
+
+    def _allocate(self) -> None:
+        g_sq = sum(self._grad_sq) / len(self._grad_sq)
+        budget = self.target * self.gradient_error**2 * g_sq / self.kappa
+        averaged = {}
+        for key, hist in self._sens.items():
+            averaged[key] = (hist[-1][0], sum(w + o for _, w, o in hist) / len(hist))
+        total = sum(n for n, _ in averaged.values())
+        bounds = {}
+        for key, (n, c) in averaged.items():
+            if c <= 0:
+                bounds[key] = _UNCONSTRAINED
+                continue
+            eb = math.sqrt(3 * budget * n / (total * c))
+            bounds[key] = round_bound_down(min(max(eb, 1e-30), _UNCONSTRAINED))
+        self.bounds = bounds
+
+    # -- reporting and state ---------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        return dict(self._metrics)
+
+    def site_settings(self) -> dict[str, str]:
+        return {k: f"eb={b:.3g}" for k, b in sorted(self.bounds.items())}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "bounds": dict(self.bounds),
+            "kappa": self.kappa,
+            "readings": list(self._readings),
+            "sens": {k: list(v) for k, v in self._sens.items()},
+            "grad_sq": list(self._grad_sq),
+            "inv_var": dict(self._inv_var),
+            "structure": {k: dataclasses.asdict(r) for k, r in self._structure.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.bounds = dict(state["bounds"])
+        self.kappa = float(state["kappa"])
+        self._readings = deque(state["readings"], maxlen=self.history)
+        self._sens = {
+            k: deque(map(tuple, v), maxlen=self.history) for k, v in state["sens"].items()
+        }
+        self._grad_sq = deque(state["grad_sq"], maxlen=self.history)
+        self._inv_var = dict(state["inv_var"])
+        self._structure = {
+            k: SiteRecord(**{**r, "shape": tuple(r["shape"])})
+            for k, r in state["structure"].items()
+        }
+
+    def teardown(self) -> None:
+        self.stats.stop()

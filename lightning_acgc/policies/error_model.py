@@ -1,0 +1,97 @@
+"""How activation error becomes gradient error, per saved tensor.
+
+For an op that computes a weight gradient from its saved input (linear, conv), a
+zero-mean error of variance σ² per input element adds ``σ²·fan_in·‖δ‖²`` to
+``E‖Δg_W‖²`` (δ: the op's output gradient) — exact in expectation. Other ops (norms,
+activations, attention) pass the error on into upstream gradients; for them we use
+``‖δ‖²`` times the mean fan-in of the model's weight ops as the factor. The input of a
+normalization (BatchNorm, LayerNorm, GroupNorm) is re-normalized in backward, so an
+error there counts relative to the input's spread: its factor is also divided by the
+input's variance. The AC-GC policy corrects the total with the error it measures.
+
+A tensor saved by several sites (a ReLU output that is also the next conv's input) is
+packed once, by the first site; its sensitivity is the sum over all its sites.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_acgc.engine.meter import SiteRecord
+
+__all__ = ["NORM_TYPES", "TensorSensitivity", "tensor_sensitivities"]
+
+NORM_TYPES = frozenset(
+    {
+        "BatchNorm1d",
+        "BatchNorm2d",
+        "BatchNorm3d",
+        "SyncBatchNorm",
+        "LayerNorm",
+        "GroupNorm",
+        "InstanceNorm1d",
+        "InstanceNorm2d",
+        "InstanceNorm3d",
+        "RMSNorm",
+    }
+)
+
+# Codec names that mean "not chosen by the policy" in a SiteRecord.
+NOT_POLICY = ("kept", "mask")
+
+
+@dataclass
+class TensorSensitivity:
+    """One packed tensor: its first site, its size, and ``E‖Δg‖² / σ²`` split by kind."""
+
+    key: str
+    numel: int
+    weight: float = 0.0  # from weight ops (analytic)
+    other: float = 0.0  # from the remaining ops (heuristic)
+
+    @property
+    def total(self) -> float:
+        return self.weight + self.other
+
+
+def tensor_sensitivities(
+    records: dict[str, SiteRecord],
+    grad_sq: dict[str, float],
+    fan_in: dict[str, int],
+    inv_var: dict[str, float] | None = None,
+) -> dict[str, TensorSensitivity]:
+    """Sensitivity of every policy-packed tensor of a step.
+
+    Args:
+        records: the step's site records (``engine.stats.sites``).
+        grad_sq: squared output-gradient norm by module name (``GradientStats.stop``).
+        fan_in: fan-in by module name for weight ops.
+        inv_var: 1 / variance of the saved input, by site key, for normalization sites.
+
+    Example:
+        >>> from lightning_acgc.engine.meter import SiteRecord
+        >>> rec = SiteRecord("fc:0", "fc", "Linear", (8, 4), "float32", "bounded", "")
+        >>> tensor_sensitivities({"fc:0": rec}, {"fc": 2.0}, {"fc": 4})["fc:0"].weight
+        8.0
+    """
+    fallback = max(grad_sq.values(), default=0.0)
+    mean_fan_in = sum(fan_in.values()) / len(fan_in) if fan_in else 1.0
+    out: dict[str, TensorSensitivity] = {}
+    for rec in records.values():
+        if rec.codec in NOT_POLICY or rec.shared_with is not None:
+            continue
+        numel = 1
+        for d in rec.shape:
+            numel *= d
+        out[rec.key] = TensorSensitivity(rec.key, numel)
+    for rec in records.values():
+        root = out.get(rec.shared_with or rec.key)
+        if root is None:
+            continue
+        delta_sq = grad_sq.get(rec.module, fallback) if rec.module else fallback
+        if rec.module in fan_in:
+            root.weight += fan_in[rec.module] * delta_sq
+        else:
+            scale = (inv_var or {}).get(rec.key, 1.0) if rec.module_type in NORM_TYPES else 1.0
+            root.other += mean_fan_in * delta_sq * scale
+    return out

@@ -1,0 +1,87 @@
+"""Per-module gradient statistics read during a calibration step's backward.
+
+Forward hooks put a tensor hook on each module output; the tensor hook adds the squared
+norm of the output gradient (δ) to the module's total. The hooks exist only while a
+calibration step runs (:meth:`GradientStats.start` / :meth:`stop`), so other steps pay
+nothing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["GradientStats", "weight_fan_in"]
+
+_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def weight_fan_in(module: nn.Module) -> int | None:
+    """Fan-in of an op that computes a weight gradient from its saved input
+    (``in_features`` for Linear, ``C_in/groups * prod(kernel)`` for conv); ``None`` else.
+
+    Example:
+        >>> weight_fan_in(nn.Conv2d(16, 32, 3)), weight_fan_in(nn.ReLU())
+        (144, None)
+    """
+    if isinstance(module, nn.Linear):
+        return module.in_features
+    if isinstance(module, _CONV):
+        return module.in_channels // module.groups * math.prod(module.kernel_size)
+    return None
+
+
+class GradientStats:
+    """Sums of squared output-gradient norms per module name, gathered on demand."""
+
+    def __init__(self) -> None:
+        self.fan_in: dict[str, int] = {}
+        self.grad_sq: dict[str, float] = {}
+        self._modules: list[tuple[str, nn.Module]] = []
+        self._handles: list[RemovableHandle] = []
+        self._pending: list[tuple[str, torch.Tensor]] = []
+
+    def setup(self, model: nn.Module) -> None:
+        self._modules = list(model.named_modules())
+        self.fan_in = {name: f for name, m in self._modules if (f := weight_fan_in(m)) is not None}
+
+    @property
+    def active(self) -> bool:
+        return bool(self._handles)
+
+    def start(self) -> None:
+        """Begin gathering (clears the previous totals)."""
+        self.grad_sq = {}
+        self._pending = []
+        if not self._handles:
+            for name, module in self._modules:
+                self._handles.append(module.register_forward_hook(self._on_output(name)))
+
+    def stop(self) -> dict[str, float]:
+        """Stop gathering; return squared output-gradient norms by module name."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for name, sq in self._pending:
+            self.grad_sq[name] = self.grad_sq.get(name, 0.0) + float(sq)
+        self._pending = []
+        return dict(self.grad_sq)
+
+    def _on_output(self, name: str):
+        def hook(module: nn.Module, args: object, output: object) -> None:
+            outs = output if isinstance(output, (tuple, list)) else (output,)
+            for out in outs:
+                if isinstance(out, torch.Tensor) and out.requires_grad and out.is_floating_point():
+                    out.register_hook(self._on_grad(name))
+
+        return hook
+
+    def _on_grad(self, name: str):
+        def hook(grad: torch.Tensor) -> None:
+            # Kept as a 0-d tensor: no device sync inside backward.
+            self._pending.append((name, grad.detach().float().square().sum()))
+
+        return hook

@@ -1,0 +1,75 @@
+"""AC-GC in training: the measured gradient error keeps its promise, the ratio follows e."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests._models import ResidualCNN, TransformerBlock
+from tests.test_policies import _train
+
+
+def _cnn_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    y = torch.randint(0, 4, (16,), generator=g)
+    x = 0.5 * torch.randn(16, 3, 16, 16, generator=g)
+    x[:, y % 3] += (y[:, None, None] >= 3).float() + 0.5  # class shows in channel and level
+    return x, y
+
+
+def _token_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, 64, (16, 24), generator=g)
+    return tokens, (tokens[:, 0] > tokens[:, -1]).long()  # needs attention to both ends
+
+
+CASES = {
+    "cnn": (lambda: ResidualCNN(width=16, classes=4), _cnn_batch, 0.05),
+    "transformer": (lambda: TransformerBlock(dropout=0.0), _token_batch, 0.02),
+}
+
+
+def _plain_loss(make_model, make_batch, steps: int, lr: float) -> float:
+    torch.manual_seed(0)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        x, y = make_batch(step)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return sum(losses[-10:]) / 10
+
+
+def _run(case: str, steps: int, every: int, errors: tuple[float, ...]) -> None:
+    make_model, make_batch, lr = CASES[case]
+    plain = _plain_loss(make_model, make_batch, steps, lr)
+    ratios = []
+    for e in errors:
+        torch.manual_seed(0)
+        _, history = _train(
+            make_model(), "acgc", steps, make_batch, lr=lr, gradient_error=e, calibrate_every=every
+        )
+        measured = [h["grad_error"] for h in history if "grad_error" in h]
+        assert len(measured) >= 3 + (steps - 3) // every
+        within = sum(m <= e for m in measured) / len(measured)
+        assert within >= 0.99, (e, measured)
+        ratios.append(sum(h["ratio"] for h in history[steps // 2 :]) / (steps - steps // 2))
+        final = sum(h["loss"] for h in history[-10:]) / 10
+        assert final <= plain * 1.1 + 0.05, (e, final, plain)
+    assert ratios == sorted(ratios), ratios  # larger allowed error -> more compression
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_acgc_short_run(case: str) -> None:
+    _run(case, steps=30, every=5, errors=(0.02, 0.1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_acgc_few_hundred_steps(case: str) -> None:
+    _run(case, steps=300, every=10, errors=(0.01, 0.05, 0.2))
