@@ -374,8 +374,12 @@ def test_dispatch_matches_reference_and_noise_override() -> None:
         for key in ref:
             assert torch.equal(out[key], ref[key]), key
     groups = -(-x.numel() // 64)
-    noisy = division_encode_ref(x, *args, noise=uniform_noise((groups, 64), 9, x.device))
-    assert torch.equal(noisy["codes"], ref["codes"])
+    noise = uniform_noise((groups, 64), 9, x.device)
+    noisy = division_encode_ref(x, *args, noise=noise)
+    again = division_encode_ref(x, *args, noise=noise.clone())
+    other = division_encode_ref(x, *args, noise=uniform_noise((groups, 64), 10, x.device))
+    assert torch.equal(noisy["codes"], again["codes"])  # the injected noise decides
+    assert not torch.equal(noisy["codes"], other["codes"])
     y = division_decode(ref, x.shape, x.dtype, 8, 2, 64, backend="torch")
     assert torch.equal(y, division_decode_ref(ref, x.shape, x.dtype, 8, 2, 64))
     with pytest.raises(ValueError, match="backend"):
