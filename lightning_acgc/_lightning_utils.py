@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
 from lightning_acgc.engine.compressor import ActivationCompressor
+from lightning_acgc.engine.step import no_side_effects
 
 __all__ = [
     "CompressionScopeMixin",
@@ -134,10 +135,6 @@ def offline(pl_module: LightningModule) -> Iterator[None]:
     Other side effects of the user's ``training_step`` (metric objects updated, counters)
     do happen twice.
     """
-    device = pl_module.device
-    devices = [device.index or 0] if device.type not in ("cpu", "meta") else []
-    device_type = device.type if devices else "cuda"
-    buffers = [(b, b.detach().clone()) for b in pl_module.buffers() if b.device.type != "meta"]
     previous = {name: pl_module.__dict__.get(name, _MISSING) for name in ("log", "log_dict")}
 
     def _no_log(*args: Any, **kwargs: Any) -> None:
@@ -146,7 +143,7 @@ def offline(pl_module: LightningModule) -> Iterator[None]:
     pl_module.__dict__["log"] = _no_log
     pl_module.__dict__["log_dict"] = _no_log
     try:
-        with torch.random.fork_rng(devices=devices, device_type=device_type):
+        with no_side_effects(pl_module):
             yield
     finally:
         for name, value in previous.items():
@@ -154,9 +151,6 @@ def offline(pl_module: LightningModule) -> Iterator[None]:
                 pl_module.__dict__.pop(name, None)
             else:
                 pl_module.__dict__[name] = value
-        with torch.no_grad():
-            for buf, saved in buffers:
-                buf.copy_(saved)
 
 
 def call_training_step(

@@ -6,7 +6,8 @@ users, tests and benchmarks call.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -14,28 +15,39 @@ from torch import nn
 
 from lightning_acgc.engine.compressor import ActivationCompressor
 
-__all__ = ["compressed_step", "exact_gradients"]
+__all__ = ["compressed_step", "exact_gradients", "no_side_effects"]
 
 
 def _no_reduce(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+@contextlib.contextmanager
+def no_side_effects(model: nn.Module) -> Iterator[None]:
+    """Undo what an extra forward of ``model`` changes: the random states of the CPU and
+    of the CUDA devices holding parameters are restored (dropout draws the same masks
+    again) and so are the buffers (BatchNorm running statistics)."""
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    buffers = [(b, b.detach().clone()) for b in model.buffers() if b.device.type != "meta"]
+    try:
+        with torch.random.fork_rng(devices=devices, device_type="cuda"):
+            yield
+    finally:
+        with torch.no_grad():
+            for buf, saved in buffers:
+                buf.copy_(saved)
+
+
 def exact_gradients(
     engine: ActivationCompressor, model: nn.Module, compute_loss: Callable[[], torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """The uncompressed gradient of ``compute_loss()`` by parameter name, leaving no trace:
-    ``.grad`` untouched, random state and buffers (BatchNorm statistics) restored, so the
-    compressed pass that follows sees the same dropout masks and statistics."""
+    ``.grad`` untouched, random state and buffers restored (:func:`no_side_effects`), so
+    the compressed pass that follows sees the same dropout masks and statistics."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices), engine.paused():
+    with no_side_effects(model), engine.paused():
         loss = compute_loss()
         grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
-    with torch.no_grad():
-        for buf, saved in buffers:
-            buf.copy_(saved)
     return {n: g for (n, _), g in zip(params, grads, strict=True) if g is not None}
 
 

@@ -39,17 +39,17 @@ from lightning_acgc.codecs.base import Codec
 from lightning_acgc.config import CompressionConfig
 from lightning_acgc.engine.meter import SiteRecord
 from lightning_acgc.engine.sites import SiteInfo
-from lightning_acgc.policies._schedule import check_int, is_calibration_step, round_bound_down
-from lightning_acgc.policies.base import Policy, Reduce
+from lightning_acgc.policies._schedule import check_int, round_bound_down
+from lightning_acgc.policies.base import Reduce
+from lightning_acgc.policies.calibrating import CalibratingPolicy
 from lightning_acgc.policies.error_model import NORM_TYPES, tensor_sensitivities
-from lightning_acgc.policies.gradient_stats import GradientStats
 
 __all__ = ["ACGCPolicy"]
 
 _UNCONSTRAINED = 1e30  # bound for a tensor no gradient depends on
 
 
-class ACGCPolicy(Policy):
+class ACGCPolicy(CalibratingPolicy):
     """Error-bounded compression with bounds derived from an allowed gradient error.
 
     Args:
@@ -107,7 +107,7 @@ class ACGCPolicy(Policy):
         self.group_size = group_size
         self.target = target
         self.config = config or CompressionConfig(codec="bounded")
-        self.stats = GradientStats()
+        super().__init__()
         self.bounds: dict[str, float] = {}
         self.kappa = self.initial_kappa
         self._readings: deque[float] = deque(maxlen=history)
@@ -115,22 +115,14 @@ class ACGCPolicy(Policy):
         self._grad_sq: deque[float] = deque(maxlen=history)
         self._structure: dict[str, SiteRecord] = {}
         self._inv_var: dict[str, float] = {}
-        self._codecs: dict[tuple[float, bool], Codec] = {}
         self._predicted: float | None = None
         self._exact: dict[str, torch.Tensor] | None = None
-        self._calibrating = False
-        self._metrics: dict[str, float] = {}
 
     # -- codecs ---------------------------------------------------------------
-    def _codec(self, bound: float, relative: bool) -> Codec:
-        codec = self._codecs.get((bound, relative))
-        if codec is None:
-            options = {"error_bound": bound, "relative": relative, "group_size": self.group_size}
-            cfg = CompressionConfig(
-                codec="bounded", codec_options=options, backend=self.config.backend
-            )
-            codec = self._codecs[(bound, relative)] = cfg.build_codec()
-        return codec
+    def _bounded(self, bound: float, relative: bool) -> Codec:
+        return self._codec(
+            "bounded", error_bound=bound, relative=relative, group_size=self.group_size
+        )
 
     def codec_for(self, site: SiteInfo, x: torch.Tensor) -> Codec | None:
         if self._calibrating and site.module_type in NORM_TYPES:
@@ -139,27 +131,18 @@ class ACGCPolicy(Policy):
                 self._inv_var[site.key] = 1.0 / var
         bound = self.bounds.get(site.key)
         if bound is None:
-            return self._codec(self.initial_relative_bound, True)
-        return self._codec(bound, False)
+            return self._bounded(self.initial_relative_bound, True)
+        return self._bounded(bound, False)
 
     def describe(self, codec: Codec) -> str:
         cfg = codec.config
         return f"{'rel' if cfg.relative else 'eb'}={cfg.error_bound:.3g}"
 
     # -- calibration cycle ------------------------------------------------------
-    def setup(self, model: nn.Module) -> None:
-        self.stats.setup(model)
-
-    def is_calibration_step(self, step: int) -> bool:
-        return is_calibration_step(step, self.calibrate_every, self.warmup_steps)
-
     def begin_step(self, step: int) -> None:
-        self._calibrating = self.is_calibration_step(step)
+        super().begin_step(step)
         self._exact = None
         self._predicted = None
-        self._metrics = {}
-        if self._calibrating:
-            self.stats.start()
 
     def needs_exact_gradient(self, step: int) -> bool:
         return self.verify and self.is_calibration_step(step)
@@ -271,9 +254,6 @@ class ACGCPolicy(Policy):
         self.bounds = bounds
 
     # -- reporting and state ---------------------------------------------------
-    def metrics(self) -> dict[str, float]:
-        return dict(self._metrics)
-
     def site_settings(self) -> dict[str, str]:
         return {k: f"eb={b:.3g}" for k, b in sorted(self.bounds.items())}
 
@@ -301,6 +281,3 @@ class ACGCPolicy(Policy):
             k: SiteRecord(**{**r, "shape": tuple(r["shape"])})
             for k, r in state["structure"].items()
         }
-
-    def teardown(self) -> None:
-        self.stats.stop()

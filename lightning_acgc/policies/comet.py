@@ -19,15 +19,15 @@ from torch import nn
 from lightning_acgc.codecs.base import Codec
 from lightning_acgc.config import CompressionConfig
 from lightning_acgc.engine.sites import SiteInfo
-from lightning_acgc.policies._schedule import check_int, is_calibration_step, round_bound_down
-from lightning_acgc.policies.base import Policy, Reduce
+from lightning_acgc.policies._schedule import check_int, round_bound_down
+from lightning_acgc.policies.base import Reduce
+from lightning_acgc.policies.calibrating import CalibratingPolicy
 from lightning_acgc.policies.error_model import tensor_sensitivities
-from lightning_acgc.policies.gradient_stats import GradientStats
 
 __all__ = ["CometPolicy"]
 
 
-class CometPolicy(Policy):
+class CometPolicy(CalibratingPolicy):
     """Per-site error bounds that track activation ranges and gradient sensitivity.
 
     Args:
@@ -67,23 +67,15 @@ class CometPolicy(Policy):
         self.momentum = momentum
         self.group_size = group_size
         self.config = config or CompressionConfig(codec="bounded")
-        self.stats = GradientStats()
+        super().__init__()
         self.ranges: dict[str, float] = {}
         self.bounds: dict[str, float] = {}
         self._step_ranges: dict[str, float] = {}
-        self._codecs: dict[tuple[float, bool], Codec] = {}
-        self._calibrating = False
-        self._metrics: dict[str, float] = {}
 
-    def _codec(self, bound: float, relative: bool) -> Codec:
-        codec = self._codecs.get((bound, relative))
-        if codec is None:
-            options = {"error_bound": bound, "relative": relative, "group_size": self.group_size}
-            cfg = CompressionConfig(
-                codec="bounded", codec_options=options, backend=self.config.backend
-            )
-            codec = self._codecs[(bound, relative)] = cfg.build_codec()
-        return codec
+    def _bounded(self, bound: float, relative: bool) -> Codec:
+        return self._codec(
+            "bounded", error_bound=bound, relative=relative, group_size=self.group_size
+        )
 
     def codec_for(self, site: SiteInfo, x: torch.Tensor) -> Codec | None:
         if self._calibrating:
@@ -93,31 +85,23 @@ class CometPolicy(Policy):
                 self._step_ranges[site.key] = float(hi.double() - lo.double())
         bound = self.bounds.get(site.key)
         if bound is None:
-            return self._codec(self.relative_bound, True)
-        return self._codec(bound, False)
+            return self._bounded(self.relative_bound, True)
+        return self._bounded(bound, False)
 
     def describe(self, codec: Codec) -> str:
         cfg = codec.config
         return f"{'rel' if cfg.relative else 'eb'}={cfg.error_bound:.3g}"
 
-    def setup(self, model: nn.Module) -> None:
-        self.stats.setup(model)
-
     def begin_step(self, step: int) -> None:
-        self._calibrating = is_calibration_step(step, self.calibrate_every, self.warmup_steps)
-        self._metrics = {}
+        super().begin_step(step)
         if self._calibrating:
             self._step_ranges = {}
-            self.stats.start()
 
     def end_step(self, step: int, model: nn.Module, reduce: Reduce) -> None:
         if not self._calibrating:
             return
         self._calibrating = False
-        grad_sq = self.stats.stop()
-        names = sorted(self.stats.fan_in.keys() | grad_sq.keys())
-        vec = reduce(torch.tensor([grad_sq.get(n, 0.0) for n in names], dtype=torch.float64))
-        grad_sq = dict(zip(names, vec.tolist(), strict=True))
+        grad_sq = self._reduced_grad_sq(reduce)
         keys = sorted(self._step_ranges)
         seen = reduce(torch.tensor([self._step_ranges[k] for k in keys], dtype=torch.float64))
         for key, r in zip(keys, seen.tolist(), strict=True):
@@ -138,9 +122,6 @@ class CometPolicy(Policy):
             bounds[key] = round_bound_down(self.relative_bound * r * scale)
         self.bounds = bounds
 
-    def metrics(self) -> dict[str, float]:
-        return dict(self._metrics)
-
     def site_settings(self) -> dict[str, str]:
         return {k: f"eb={b:.3g}" for k, b in sorted(self.bounds.items())}
 
@@ -150,6 +131,3 @@ class CometPolicy(Policy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.ranges = dict(state["ranges"])
         self.bounds = dict(state["bounds"])
-
-    def teardown(self) -> None:
-        self.stats.stop()

@@ -20,16 +20,16 @@ from lightning_acgc.codecs.base import Codec
 from lightning_acgc.config import CompressionConfig
 from lightning_acgc.engine.sites import SiteInfo
 from lightning_acgc.kernels.quant import group_view
-from lightning_acgc.policies._schedule import check_int, is_calibration_step
-from lightning_acgc.policies.base import Policy, Reduce
+from lightning_acgc.policies._schedule import check_int
+from lightning_acgc.policies.base import Reduce
 from lightning_acgc.policies.bit_allocation import LADDER, allocate_bits
+from lightning_acgc.policies.calibrating import CalibratingPolicy
 from lightning_acgc.policies.error_model import tensor_sensitivities
-from lightning_acgc.policies.gradient_stats import GradientStats
 
 __all__ = ["GACTPolicy"]
 
 
-class GACTPolicy(Policy):
+class GACTPolicy(CalibratingPolicy):
     """Quantization with bits per tensor chosen from measured sensitivity.
 
     Args:
@@ -69,51 +69,30 @@ class GACTPolicy(Policy):
         self.group_size = group_size
         self.config = config or CompressionConfig(codec="quant")
         self.default_bits = max(b for b in LADDER if b <= self.bits)
-        self.stats = GradientStats()
+        super().__init__()
         self.site_bits: dict[str, int] = {}
         self._range_sq: dict[str, float] = {}
         self._weights: dict[str, deque[tuple[int, float]]] = {}
-        self._codecs: dict[int, Codec] = {}
-        self._calibrating = False
-        self._metrics: dict[str, float] = {}
-
-    def _codec(self, bits: int) -> Codec:
-        codec = self._codecs.get(bits)
-        if codec is None:
-            cfg = CompressionConfig(
-                codec="quant",
-                codec_options={"bits": bits, "group_size": self.group_size},
-                backend=self.config.backend,
-            )
-            codec = self._codecs[bits] = cfg.build_codec()
-        return codec
 
     def codec_for(self, site: SiteInfo, x: torch.Tensor) -> Codec | None:
         if self._calibrating:
             lo, hi = torch.aminmax(group_view(x.detach(), self.group_size), dim=1)
             span = (hi - lo).nan_to_num(0.0, 0.0, 0.0)
             self._range_sq[site.key] = float(span.double().square().mean())
-        return self._codec(self.site_bits.get(site.key, self.default_bits))
-
-    def setup(self, model: nn.Module) -> None:
-        self.stats.setup(model)
+        bits = self.site_bits.get(site.key, self.default_bits)
+        return self._codec("quant", bits=bits, group_size=self.group_size)
 
     def begin_step(self, step: int) -> None:
-        self._calibrating = is_calibration_step(step, self.calibrate_every, self.warmup_steps)
-        self._metrics = {}
+        super().begin_step(step)
         if self._calibrating:
             self._range_sq = {}
-            self.stats.start()
 
     def end_step(self, step: int, model: nn.Module, reduce: Reduce) -> None:
         if not self._calibrating:
             return
         self._calibrating = False
         start = time.perf_counter()
-        grad_sq = self.stats.stop()
-        names = sorted(self.stats.fan_in.keys() | grad_sq.keys())
-        vec = reduce(torch.tensor([grad_sq.get(n, 0.0) for n in names], dtype=torch.float64))
-        grad_sq = dict(zip(names, vec.tolist(), strict=True))
+        grad_sq = self._reduced_grad_sq(reduce)
         records = self.engine.stats.sites if self.engine is not None else {}
         sens = tensor_sensitivities(records, grad_sq, self.stats.fan_in)
         keys = sorted(k for k in sens if k in self._range_sq)
@@ -131,9 +110,6 @@ class GACTPolicy(Policy):
             self._metrics["avg_bits"] = avg
         self._metrics["calib_ms"] = 1e3 * (time.perf_counter() - start)
 
-    def metrics(self) -> dict[str, float]:
-        return dict(self._metrics)
-
     def site_settings(self) -> dict[str, str]:
         return {k: f"bits={b}" for k, b in sorted(self.site_bits.items())}
 
@@ -148,6 +124,3 @@ class GACTPolicy(Policy):
         self._weights = {
             k: deque(map(tuple, v), maxlen=self.history) for k, v in state["weights"].items()
         }
-
-    def teardown(self) -> None:
-        self.stats.stop()

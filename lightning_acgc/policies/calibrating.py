@@ -1,0 +1,66 @@
+"""What the calibrating policies (acgc, gact, comet) share: gradient statistics on
+calibration steps, a cache of codecs per setting, the step's metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_acgc.codecs.base import Codec
+from lightning_acgc.config import CompressionConfig
+from lightning_acgc.policies._schedule import is_calibration_step
+from lightning_acgc.policies.base import Policy, Reduce
+from lightning_acgc.policies.gradient_stats import GradientStats
+
+__all__ = ["CalibratingPolicy"]
+
+
+class CalibratingPolicy(Policy):
+    """Base of policies that read gradient statistics every ``calibrate_every`` steps
+    (and on the first ``warmup_steps``). Subclasses set both attributes and ``config``."""
+
+    calibrate_every: int
+    warmup_steps: int
+    config: CompressionConfig
+
+    def __init__(self) -> None:
+        self.stats = GradientStats()
+        self._codecs: dict[tuple, Codec] = {}
+        self._calibrating = False
+        self._metrics: dict[str, float] = {}
+
+    def _codec(self, name: str, **options: Any) -> Codec:
+        """The codec ``name`` with ``options`` (built once, then reused)."""
+        key = (name, *sorted(options.items()))
+        codec = self._codecs.get(key)
+        if codec is None:
+            cfg = CompressionConfig(codec=name, codec_options=options, backend=self.config.backend)
+            codec = self._codecs[key] = cfg.build_codec()
+        return codec
+
+    def is_calibration_step(self, step: int) -> bool:
+        return is_calibration_step(step, self.calibrate_every, self.warmup_steps)
+
+    def setup(self, model: nn.Module) -> None:
+        self.stats.setup(model)
+
+    def begin_step(self, step: int) -> None:
+        self._calibrating = self.is_calibration_step(step)
+        self._metrics = {}
+        if self._calibrating:
+            self.stats.start()
+
+    def _reduced_grad_sq(self, reduce: Reduce) -> dict[str, float]:
+        """Stop gathering; squared output-gradient norms by module, averaged over ranks."""
+        grad_sq = self.stats.stop()
+        names = sorted(self.stats.fan_in.keys() | grad_sq.keys())
+        vec = reduce(torch.tensor([grad_sq.get(n, 0.0) for n in names], dtype=torch.float64))
+        return dict(zip(names, vec.tolist(), strict=True))
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self._metrics)
+
+    def teardown(self) -> None:
+        self.stats.stop()
