@@ -13,12 +13,20 @@ under Σ c_t·eb_t²/3 = E gives each tensor the share E·n_t/N, i.e.
 averaged over the last ``history`` calibrations, as AC-GC does. ``target`` (0.35) leaves
 room for drift between calibrations.
 
+The bound is held per layer too: a global ‖ĝ − g‖ ≤ e‖g‖ alone lets a layer whose
+gradient is small (attention's query and key at initialization) take a 100% error
+unnoticed, and then it never learns. So a weight op's saved input gets, from its own
+layer, at most ``layer_share`` of e²‖g_W‖² (analytic factor fan_in·‖δ‖²); the other ops
+share the rest of the global budget by size as above; each tensor takes the tighter
+bound of the two. The sum stays within target · e²‖g‖².
+
 Verify, don't trust: with ``verify=True`` the adapter computes the exact gradient on
 calibration steps. The statistics of that exact pass set the bounds used by the same
 step's compressed pass, so the logged ``grad_error`` = ‖ĝ − g‖/‖g‖ measures exactly the
 bounds in force. κ is the largest ratio of measured to modelled error over the last
 ``history`` readings (4 before the first): a reading above the model tightens every
-later bound at once, and bounds loosen only when such readings age out. A measurement
+later bound at once; κ falls at most 2x per calibration, so bounds loosen gradually
+(the error model is least reliable far from where it was last checked). A measurement
 above e is logged as ``tightened`` = 1. With ``verify=False`` no exact gradient is
 computed: the compressed pass's statistics set the bounds of the following steps and κ
 keeps its last value.
@@ -74,6 +82,8 @@ class ACGCPolicy(CalibratingPolicy):
     name = "acgc"
     default_codec = "bounded"
     initial_kappa = 4.0
+    layer_share = 0.5  # part of each layer's e²‖g_W‖² that its weight op's input may use
+    max_loosening = 2.0  # largest decrease of κ (modelled-error correction) per reading
 
     def __init__(
         self,
@@ -111,8 +121,10 @@ class ACGCPolicy(CalibratingPolicy):
         self.bounds: dict[str, float] = {}
         self.kappa = self.initial_kappa
         self._readings: deque[float] = deque(maxlen=history)
-        self._sens: dict[str, deque[tuple[int, float, float]]] = {}
+        # per tensor: (numel, {weight op: fan_in·‖δ‖²}, other ops' factor) per calibration
+        self._sens: dict[str, deque[tuple[int, dict[str, float], float]]] = {}
         self._grad_sq: deque[float] = deque(maxlen=history)
+        self._layer_grad_sq: deque[dict[str, float]] = deque(maxlen=history)
         self._structure: dict[str, SiteRecord] = {}
         self._inv_var: dict[str, float] = {}
         self._predicted: float | None = None
@@ -156,10 +168,11 @@ class ACGCPolicy(CalibratingPolicy):
             return
         start = time.perf_counter()
         grad_sq = self.stats.stop()
+        layer = self._layer_norms(self._exact)
         g_sq = sum(float(g.double().square().sum()) for g in self._exact.values())
-        g_sq, _, grad_sq = self._reduce(reduce, g_sq, 0.0, grad_sq)
+        g_sq, _, grad_sq, layer = self._reduce(reduce, g_sq, 0.0, grad_sq, layer)
         if self._structure:
-            self._calibrate(grad_sq, g_sq)
+            self._calibrate(grad_sq, g_sq, layer)
         self._metrics["calib_ms"] = 1e3 * (time.perf_counter() - start)
 
     def end_step(self, step: int, model: nn.Module, reduce: Reduce) -> None:
@@ -169,7 +182,9 @@ class ACGCPolicy(CalibratingPolicy):
         start = time.perf_counter()
         grad_sq = self.stats.stop()
         g_sq, err_sq = self._gradient_norms(model)
-        g_sq, err_sq, grad_sq = self._reduce(reduce, g_sq, err_sq, grad_sq)
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        layer = self._layer_norms(grads)
+        g_sq, err_sq, grad_sq, layer = self._reduce(reduce, g_sq, err_sq, grad_sq, layer)
         if self.engine is not None:
             self._structure = {
                 k: dataclasses.replace(r) for k, r in self.engine.stats.sites.items()
@@ -177,7 +192,7 @@ class ACGCPolicy(CalibratingPolicy):
         if self._exact is not None and g_sq > 0:
             self._measure(g_sq, err_sq)
         elif self._exact is None and g_sq > 0:
-            self._calibrate(grad_sq, g_sq)  # cheap mode: bounds for the next steps
+            self._calibrate(grad_sq, g_sq, layer)  # cheap mode: bounds for the next steps
         self._metrics["calib_ms"] = self._metrics.get("calib_ms", 0.0) + 1e3 * (
             time.perf_counter() - start
         )
@@ -186,16 +201,37 @@ class ACGCPolicy(CalibratingPolicy):
         if finite:
             self._metrics["log10_bound"] = sum(finite) / len(finite)
 
+    def _layer_norms(self, grads: dict[str, torch.Tensor]) -> dict[str, float]:
+        """‖g_W‖² per weight op (its weight and bias), by module name."""
+        out = dict.fromkeys(self.stats.fan_in, 0.0)
+        for name, g in grads.items():
+            module = name.rsplit(".", 1)[0] if "." in name else ""
+            if module in out:
+                out[module] += float(g.detach().double().square().sum())
+        return out
+
     def _reduce(
-        self, reduce: Reduce | None, g_sq: float, err_sq: float, grad_sq: dict[str, float]
-    ) -> tuple[float, float, dict[str, float]]:
+        self,
+        reduce: Reduce | None,
+        g_sq: float,
+        err_sq: float,
+        grad_sq: dict[str, float],
+        layer: dict[str, float],
+    ) -> tuple[float, float, dict[str, float], dict[str, float]]:
         """Average the step's statistics over ranks, so every rank gets the same bounds."""
         if reduce is None:
-            return g_sq, err_sq, grad_sq
+            return g_sq, err_sq, grad_sq, layer
         names = sorted(self.stats.fan_in.keys() | grad_sq.keys())
-        values = [g_sq, err_sq, *(grad_sq.get(n, 0.0) for n in names)]
+        ops = sorted(layer)
+        values = [g_sq, err_sq, *(grad_sq.get(n, 0.0) for n in names), *(layer[m] for m in ops)]
         vec = reduce(torch.tensor(values, dtype=torch.float64)).tolist()
-        return vec[0], vec[1], dict(zip(names, vec[2:], strict=True))
+        k = 2 + len(names)
+        return (
+            vec[0],
+            vec[1],
+            dict(zip(names, vec[2:k], strict=True)),
+            dict(zip(ops, vec[k:], strict=True)),
+        )
 
     def _gradient_norms(self, model: nn.Module) -> tuple[float, float]:
         """‖g‖² of the reference gradient and ‖ĝ − g‖² (0 without an exact gradient)."""
@@ -221,15 +257,18 @@ class ACGCPolicy(CalibratingPolicy):
         self._metrics["tightened"] = float(ratio > self.gradient_error)
         if self._predicted is not None and self._predicted > 0:
             self._readings.append(max(err_sq / self._predicted, 1e-3))
-            self.kappa = max(self._readings)
+            # Tighten at once; loosen at most 2x in variance per calibration: the error
+            # model is least reliable far from where it was last checked (coarse bounds).
+            self.kappa = max(max(self._readings), self.kappa / self.max_loosening)
 
-    def _calibrate(self, grad_sq: dict[str, float], g_sq: float) -> None:
+    def _calibrate(self, grad_sq: dict[str, float], g_sq: float, layer: dict[str, float]) -> None:
         sens = tensor_sensitivities(self._structure, grad_sq, self.stats.fan_in, self._inv_var)
         for key, s in sens.items():
             self._sens.setdefault(key, deque(maxlen=self.history)).append(
-                (s.numel, s.weight, s.other)
+                (s.numel, dict(s.weight_by_module), s.other)
             )
         self._grad_sq.append(g_sq)
+        self._layer_grad_sq.append(layer)
         self._allocate()
         self._predicted = sum(
             s.total * self.bounds[k] ** 2 / 3
@@ -238,18 +277,31 @@ class ACGCPolicy(CalibratingPolicy):
         )
 
     def _allocate(self) -> None:
+        e_sq = self.gradient_error**2 * self.target / self.kappa
         g_sq = sum(self._grad_sq) / len(self._grad_sq)
-        budget = self.target * self.gradient_error**2 * g_sq / self.kappa
+        layer_sq: dict[str, float] = {}
+        for reading in self._layer_grad_sq:
+            for m, v in reading.items():
+                layer_sq[m] = layer_sq.get(m, 0.0) + v / len(self._layer_grad_sq)
         averaged = {}
         for key, hist in self._sens.items():
-            averaged[key] = (hist[-1][0], sum(w + o for _, w, o in hist) / len(hist))
-        total = sum(n for n, _ in averaged.values())
+            weights: dict[str, float] = {}
+            for _, w, _ in hist:
+                for m, c in w.items():
+                    weights[m] = weights.get(m, 0.0) + c / len(hist)
+            averaged[key] = (hist[-1][0], weights, sum(o for _, _, o in hist) / len(hist))
+        others = sum(n for n, _, o in averaged.values() if o > 0)
         bounds = {}
-        for key, (n, c) in averaged.items():
-            if c <= 0:
-                bounds[key] = _UNCONSTRAINED
-                continue
-            eb = math.sqrt(3 * budget * n / (total * c))
+        for key, (n, weights, other) in averaged.items():
+            eb = _UNCONSTRAINED
+            for m, c in weights.items():
+                if c > 0 and layer_sq.get(m, 0.0) > 0:  # this layer's own share
+                    eb = min(eb, math.sqrt(3 * self.layer_share * e_sq * layer_sq[m] / c))
+                elif c > 0:  # no gradient of its own to compare with: the global budget
+                    other += c
+            if other > 0:
+                rest = (1 - self.layer_share) * e_sq * g_sq
+                eb = min(eb, math.sqrt(3 * rest * n / (max(others, n) * other)))
             bounds[key] = round_bound_down(min(max(eb, 1e-30), _UNCONSTRAINED))
         self.bounds = bounds
 
@@ -264,6 +316,7 @@ class ACGCPolicy(CalibratingPolicy):
             "readings": list(self._readings),
             "sens": {k: list(v) for k, v in self._sens.items()},
             "grad_sq": list(self._grad_sq),
+            "layer_grad_sq": list(self._layer_grad_sq),
             "inv_var": dict(self._inv_var),
             "structure": {k: dataclasses.asdict(r) for k, r in self._structure.items()},
         }
@@ -273,9 +326,10 @@ class ACGCPolicy(CalibratingPolicy):
         self.kappa = float(state["kappa"])
         self._readings = deque(state["readings"], maxlen=self.history)
         self._sens = {
-            k: deque(map(tuple, v), maxlen=self.history) for k, v in state["sens"].items()
+            k: deque((tuple(h) for h in v), maxlen=self.history) for k, v in state["sens"].items()
         }
         self._grad_sq = deque(state["grad_sq"], maxlen=self.history)
+        self._layer_grad_sq = deque(state["layer_grad_sq"], maxlen=self.history)
         self._inv_var = dict(state["inv_var"])
         self._structure = {
             k: SiteRecord(**{**r, "shape": tuple(r["shape"])})

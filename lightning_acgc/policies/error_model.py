@@ -15,7 +15,7 @@ packed once, by the first site; its sensitivity is the sum over all its sites.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lightning_acgc.engine.meter import SiteRecord
 
@@ -48,6 +48,7 @@ class TensorSensitivity:
     numel: int
     weight: float = 0.0  # from weight ops (analytic)
     other: float = 0.0  # from the remaining ops (heuristic)
+    weight_by_module: dict[str, float] = field(default_factory=dict)  # weight, per op
 
     @property
     def total(self) -> float:
@@ -90,7 +91,9 @@ def tensor_sensitivities(
             continue
         delta_sq = grad_sq.get(rec.module, fallback) if rec.module else fallback
         if rec.module in fan_in:
-            root.weight += fan_in[rec.module] * delta_sq
+            c = fan_in[rec.module] * delta_sq
+            root.weight += c
+            root.weight_by_module[rec.module] = root.weight_by_module.get(rec.module, 0.0) + c
         else:
             scale = (inv_var or {}).get(rec.key, 1.0) if rec.module_type in NORM_TYPES else 1.0
             root.other += mean_fan_in * delta_sq * scale
