@@ -61,6 +61,18 @@ def test_same_tensor_saved_twice_is_packed_once() -> None:
     assert torch.allclose(x.grad, 8 * x.detach(), atol=0.5)
 
 
+def test_views_of_one_tensor_saved_by_several_linears_are_packed_once() -> None:
+    """q, k, v projections of one 3-D hidden state each save a fresh 2-D view of it."""
+    qkv = nn.ModuleList([nn.Linear(64, 64) for _ in range(3)])
+    h = torch.randn(8, 32, 64, requires_grad=True) * 1.0
+    with compress_activations(codec="quant", bits=8, model=qkv) as stats:
+        sum(lin(h).sum() for lin in qkv).backward()
+    assert stats.tensors_packed == 1
+    assert stats.saved_bytes == h.numel() * 4
+    shared = [r for r in stats.sites.values() if r.shared_with is not None]
+    assert len(shared) == 2
+
+
 def test_reused_memory_is_not_mistaken_for_a_saved_tensor() -> None:
     """A dead tensor's memory reused for a same-shaped tensor must not hit the dedup cache."""
     torch.manual_seed(0)

@@ -40,6 +40,11 @@ def _mix(*values: int) -> int:
     return h & 0x7FFF_FFFF_FFFF_FFFF
 
 
+def _anchor(t: torch.Tensor) -> torch.Tensor:
+    """What keeps ``t``'s memory alive: the tensor it is a view of, or itself."""
+    return t._base if t._base is not None else t
+
+
 class _Saved:
     """What autograd holds instead of a compressed tensor."""
 
@@ -165,7 +170,7 @@ class ActivationCompressor:
         ref = self._views.get(key)
         if ref is not None and ref() is not None:
             return 0
-        self._views[key] = weakref.ref(t)
+        self._views[key] = weakref.ref(_anchor(t))
         nbytes = span_nbytes(t)
         self.stats.saved_bytes += nbytes
         return nbytes
@@ -229,8 +234,10 @@ class ActivationCompressor:
         )
         raw = self._count_view(t, key)
         # A tensor already packed this step is shared, whatever this site would choose.
-        # A hit needs the tensor itself alive: a dead tensor's memory may already hold
-        # another tensor of the same shape at the same address.
+        # A hit needs the first saved tensor (or the tensor it is a view of) alive: dead
+        # memory may already hold another tensor of the same shape at the same address.
+        # (Linear on a 3-D input saves a fresh 2-D view each call: q, k and v projections
+        # of one hidden state share it only through the base.)
         refs = self._dedup.get(key)
         saved = refs[1]() if refs is not None and refs[0]() is not None else None
         if saved is not None:
@@ -269,7 +276,7 @@ class ActivationCompressor:
         self.stats.packed_bytes += nbytes
         saved = _Saved(packed, codec, site.key)
         weakref.finalize(saved, self._release, nbytes)
-        self._dedup[key] = (weakref.ref(t), weakref.ref(saved))
+        self._dedup[key] = (weakref.ref(_anchor(t)), weakref.ref(saved))
         settings = self.policy.describe(codec) if codec is not self._mask_codec else "1 bit"
         self._record(site, t, codec.name, settings, raw, nbytes)
         if self.packed_log is not None:
