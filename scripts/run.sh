@@ -30,7 +30,7 @@ shift || true
 setup
 case "$job" in
     setup) ;;
-    demo) exec "$PY" -m recipes.demo "$@" ;;
+    demo) exec "$PY" -m recipes.compare "$@" ;;
     test) exec "$PY" -m pytest -m "not slow" "$@" ;;
     slow) exec "$PY" -m pytest -m slow "$@" ;;
     *) echo "usage: scripts/run.sh {demo|test|slow|setup} [args]" >&2; exit 2 ;;

@@ -1,0 +1,350 @@
+"""What the benchmarks share: the machine, the recipes' models and batches, and the
+configurations compared (plain, ``torch.utils.checkpoint`` per block, each policy)."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import functools
+import json
+import os
+import platform
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+from lightning_acgc import ActivationCompressor, build_policy, compressed_step
+from lightning_acgc.engine.meter import CompressionStats
+from lightning_acgc.policies import OffPolicy, Policy
+
+__all__ = [
+    "CALIBRATION_STEPS",
+    "CONFIGS",
+    "MEASURED_STEP",
+    "MODELS",
+    "POLICIES",
+    "SIZES",
+    "Recipe",
+    "Runner",
+    "add_common_arguments",
+    "build_recipe",
+    "count_saved",
+    "emit",
+    "machine",
+    "make_runner",
+    "resolve_device",
+    "synchronize",
+]
+
+MODELS = ("resnet", "bert", "gnn")
+
+# Hydra overrides of each recipe's offline default (configs/): "full" is the default
+# itself, "quick" shrinks it for a few minutes on 2 CPU cores.
+SIZES: dict[str, dict[str, list[str]]] = {
+    "quick": {
+        "resnet": ["model=resnet", "model.width=0.125", "data.batch_size=32"],
+        "bert": ["model=bert", "data.batch_size=32", "data.num_samples=512"],
+        "gnn": ["model=gnn", "data.num_nodes=2000"],
+    },
+    "full": {"resnet": ["model=resnet"], "bert": ["model=bert"], "gnn": ["model=gnn"]},
+}
+
+# Compressed configurations: name -> (registered policy, options of build_policy).
+POLICIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "acgc": ("acgc", {}),
+    "gact": ("gact", {}),
+    "division": ("division", {}),
+    "comet": ("comet", {}),
+    "quant2": ("fixed", {"codec": "quant", "bits": 2}),
+}
+CONFIGS = ("plain", "checkpoint", *POLICIES)
+
+# The calibrating policies calibrate on the first steps of fit (acgc and comet: 3, gact:
+# 1) and then every 100 steps: steps 0-2 calibrate, step 3 is an ordinary step.
+CALIBRATION_STEPS = 3
+MEASURED_STEP = CALIBRATION_STEPS
+
+
+# ----------------------------------------------------------------------------- machine
+def resolve_device(name: str) -> torch.device:
+    """``"auto"``: CUDA when available, else CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine(device: torch.device) -> dict[str, Any]:
+    """Where a benchmark ran: platform, CPU, core count, torch, threads, device, date."""
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "device": str(device),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if hasattr(os, "getloadavg"):
+        info["load_avg_1m"] = round(os.getloadavg()[0], 2)  # other work on the machine
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="small sizes (2 CPU cores)")
+    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads; default: 1 with --quick, else torch's default",
+    )
+
+
+def setup_threads(args: argparse.Namespace) -> None:
+    """Set torch's thread count (``args.threads`` is filled in with what was used).
+
+    ``--quick`` defaults to one thread: on a small machine shared with other work,
+    OpenMP threads that wait at barriers for a busy core made a 2-thread step of the
+    quick ResNet 50x slower than a 1-thread one (measured: 4.3 s vs 0.09 s).
+    """
+    if args.threads is None and args.quick:
+        args.threads = 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.threads = torch.get_num_threads()
+
+
+def emit(result: dict[str, Any]) -> None:
+    """Print the benchmark's one JSON line."""
+    print(json.dumps(result), flush=True)
+
+
+# ----------------------------------------------------------------------------- recipes
+def _to(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor) or hasattr(batch, "to"):
+        return batch.to(device)
+    return type(batch)(_to(b, device) for b in batch)
+
+
+@dataclass
+class Recipe:
+    """A recipe's LightningModule (fresh, seeded) and its first training batch."""
+
+    name: str
+    cfg: DictConfig
+    module: nn.Module
+    batch: Any
+    datamodule: Any
+    description: str
+
+    def loss(self, module: nn.Module | None = None) -> torch.Tensor:
+        logits, targets = (module or self.module).logits_and_targets(self.batch, "train")
+        return F.cross_entropy(logits, targets)
+
+
+def _describe(name: str, cfg: DictConfig, batch: Any) -> str:
+    m, d = cfg.model, cfg.data
+    if name == "resnet":
+        x = batch[0]
+        return f"ResNet-{m.depth} x{m.width:g}, digits {tuple(x.shape[1:])}, batch {x.shape[0]}"
+    if name == "bert":
+        n, seq = batch[0].shape
+        return (
+            f"BERT {m.num_layers}x{m.hidden_size} ({m.attn_implementation} attention), "
+            f"text seq {seq}, batch {n}"
+        )
+    return (
+        f"{m.arch.upper()} {m.num_layers}x{m.hidden_channels}, SBM graph {d.num_nodes} nodes "
+        f"(full batch)"
+    )
+
+
+def build_recipe(
+    name: str,
+    quick: bool,
+    device: torch.device,
+    seed: int = 0,
+    overrides: Sequence[str] = (),
+) -> Recipe:
+    """The recipe's model (seeded) and first training batch on ``device``."""
+    from recipes.config_schema import compose_config
+
+    cfg = compose_config([*SIZES["quick" if quick else "full"][name], f"seed={seed}", *overrides])
+    datamodule = instantiate(cfg.data)
+    datamodule.setup("fit")
+    torch.manual_seed(seed)
+    module = instantiate(cfg.model).to(device).train()
+    batch = _to(next(iter(datamodule.train_dataloader())), device)
+    return Recipe(name, cfg, module, batch, datamodule, _describe(name, cfg, batch))
+
+
+def checkpoint_blocks(name: str, module: nn.Module) -> list[str]:
+    """Modules that ``torch.utils.checkpoint`` wraps one by one: residual blocks (ResNet),
+    encoder layers (BERT), message-passing layers (GNN)."""
+    if name == "resnet":
+        from recipes.models.resnet import BasicBlock, Bottleneck
+
+        types: tuple[type, ...] = (BasicBlock, Bottleneck)
+    elif name == "bert":
+        from transformers.models.bert.modeling_bert import BertLayer
+
+        types = (BertLayer,)
+    else:
+        from torch_geometric.nn.conv import MessagePassing
+
+        types = (MessagePassing,)
+    return [n for n, m in module.named_modules() if isinstance(m, types)]
+
+
+def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def with_checkpointing(module: nn.Module, blocks: Sequence[str]) -> nn.Module:
+    """A copy of ``module`` whose ``blocks`` run under non-reentrant checkpointing."""
+    model = copy.deepcopy(module)
+    for name in blocks:
+        block = model.get_submodule(name)
+        block.forward = functools.partial(_checkpointed, block.forward)
+    return model
+
+
+# ----------------------------------------------------------------------------- counting
+class _Recording(OffPolicy):
+    """Compresses nothing; remembers the storages of the float tensors it was shown."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: set[int] = set()
+
+    def codec_for(self, site: Any, x: torch.Tensor) -> None:
+        self.storages.add(x.untyped_storage().data_ptr())
+        return None
+
+
+def count_saved(recipe: Recipe, module: nn.Module, blocks: Sequence[str] = ()) -> int:
+    """Bytes of activations kept for backward in one plain step of ``module``.
+
+    The engine's meter counts what autograd saves (nothing compressed). Under
+    checkpointing autograd saves nothing inside a checkpointed block; what the block
+    keeps instead is its inputs, which are added here (each storage once, and only if
+    the meter did not count it already).
+    """
+    policy = _Recording()
+    engine = ActivationCompressor(policy, model=module, min_numel=0, compress_masks=False)
+    inputs: dict[int, int] = {}
+    handles = []
+
+    def remember(_: nn.Module, args: tuple, kwargs: dict) -> None:
+        for t in (*args, *kwargs.values()):
+            if isinstance(t, torch.Tensor):
+                ptr = t.untyped_storage().data_ptr()
+                inputs.setdefault(ptr, t.untyped_storage().nbytes())
+
+    for name in blocks:
+        block = module.get_submodule(name)
+        handles.append(block.register_forward_pre_hook(remember, with_kwargs=True))
+    engine.install()
+    engine.new_step(0)
+    try:
+        module.zero_grad(set_to_none=True)
+        with engine.scope() as stats:
+            loss = recipe.loss(module)
+        loss.backward()
+    finally:
+        engine.remove()
+        for handle in handles:
+            handle.remove()
+    resident = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    extra = sum(n for ptr, n in inputs.items() if ptr not in policy.storages | resident)
+    return stats.saved_bytes + extra
+
+
+# ----------------------------------------------------------------------------- runners
+@dataclass
+class Runner:
+    """One configuration's training step (forward and backward; no optimizer step)."""
+
+    config: str
+    recipe: Recipe
+    module: nn.Module
+    engine: ActivationCompressor | None = None
+    blocks: list[str] = field(default_factory=list)
+    calibration: list[dict[str, float]] = field(default_factory=list)
+
+    @property
+    def policy(self) -> Policy | None:
+        return None if self.engine is None else self.engine.policy
+
+    @property
+    def calibrates(self) -> bool:
+        """Whether the policy has a calibration schedule (acgc, gact, comet)."""
+        return getattr(self.policy, "calibrate_every", None) is not None
+
+    def step(self, step: int = MEASURED_STEP) -> CompressionStats | None:
+        self.module.zero_grad(set_to_none=True)
+        if self.engine is None:
+            self.recipe.loss(self.module).backward()
+            return None
+        compressed_step(self.engine, self.module, lambda: self.recipe.loss(self.module), step)
+        return self.engine.stats
+
+    def calibrate(
+        self, steps: int = CALIBRATION_STEPS, optimizer: torch.optim.Optimizer | None = None
+    ) -> list[dict[str, float]]:
+        """Run the policy's first ``steps`` steps (its calibration), keep its metrics."""
+        for step in range(steps if self.calibrates else 0):
+            self.step(step)
+            if self.policy is not None:
+                self.calibration.append(self.policy.metrics())
+            if optimizer is not None:
+                optimizer.step()
+        return self.calibration
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.remove()
+            self.engine.policy.teardown()
+
+
+def make_runner(config: str, recipe: Recipe, policy_options: dict | None = None) -> Runner:
+    """A runner of ``config`` on its own copy of the recipe's model."""
+    if config == "plain":
+        return Runner(config, recipe, copy.deepcopy(recipe.module))
+    if config == "checkpoint":
+        blocks = checkpoint_blocks(recipe.name, recipe.module)
+        return Runner(config, recipe, with_checkpointing(recipe.module, blocks), blocks=blocks)
+    module = copy.deepcopy(recipe.module)
+    name, options = POLICIES[config]
+    policy = build_policy(name, **{**options, **(policy_options or {})})
+    engine = ActivationCompressor(policy, model=module)
+    engine.install()
+    policy.setup(module)
+    return Runner(config, recipe, module, engine)

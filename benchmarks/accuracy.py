@@ -1,0 +1,143 @@
+"""Final validation accuracy of each recipe's offline default, plain vs each policy, over
+several seeds: mean and spread.
+
+Prints one JSON line. Every run is ``recipes.train.train`` on the composed Hydra config
+(``configs/``), one after the other in this process: the same data, model and trainer
+for every configuration, only ``compression=`` differs. Per model and configuration:
+the final ``val/acc`` of each seed, its mean, sample standard deviation, min and max,
+and the mean compression ratio logged by the callback (``acgc/ratio``).
+
+``--quick``: the ResNet recipe only (ResNet-18 at width 1/8 on digits, 3 epochs), plain
+vs acgc and gact. Full: every recipe at its offline default (10 epochs) and every policy.
+
+    python -m benchmarks.accuracy [--quick] [--seeds 0 1 2] [--models ...] [--configs ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from typing import Any
+
+from benchmarks._harness import (
+    CONFIGS,
+    MODELS,
+    SIZES,
+    add_common_arguments,
+    emit,
+    machine,
+    resolve_device,
+    setup_threads,
+)
+
+# compression= overrides of each configuration (see configs/compression/)
+COMPRESSION: dict[str, list[str]] = {
+    "plain": ["compression=none"],
+    "acgc": ["compression=acgc"],
+    "gact": ["compression=gact"],
+    "division": ["compression=division"],
+    "comet": ["compression=comet"],
+    "quant2": ["compression=fixed", "compression.codec=quant", "compression.bits=2"],
+}
+QUIET = [
+    "logger=false",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+]
+QUICK_TRAINER = ["trainer.max_epochs=3"]  # as experiment=compare_digits
+
+
+def base_overrides(model: str, quick: bool, device: str) -> list[str]:
+    """The Hydra overrides that every configuration of ``model`` shares."""
+    sizes = SIZES["quick" if quick else "full"][model]
+    if model == "resnet" and quick:
+        sizes = [s for s in sizes if not s.startswith("data.batch_size")]  # keep 64
+    out = [*sizes, *QUIET, *(QUICK_TRAINER if quick else [])]
+    if device != "auto":
+        out.append(f"trainer.accelerator={'gpu' if device.startswith('cuda') else device}")
+    return out
+
+
+def overrides(model: str, config: str, seed: int, quick: bool, device: str) -> list[str]:
+    """The Hydra overrides of one run."""
+    out = [*base_overrides(model, quick, device), *COMPRESSION[config], f"seed={seed}"]
+    if config != "plain":
+        out.append("compression.print_table=false")
+    return out
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {
+        "mean": round(statistics.fmean(values), 5),
+        "std": round(statistics.stdev(values), 5) if len(values) > 1 else 0.0,
+        "min": round(min(values), 5),
+        "max": round(max(values), 5),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_common_arguments(parser)
+    parser.add_argument("--models", nargs="+", choices=MODELS, help="default: all (quick: resnet)")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        choices=list(COMPRESSION),
+        help="default: all (quick: plain acgc gact)",
+    )
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    args = parser.parse_args(argv)
+    setup_threads(args)
+    models = args.models or (["resnet"] if args.quick else list(MODELS))
+    configs = args.configs or (
+        ["plain", "acgc", "gact"] if args.quick else [c for c in CONFIGS if c in COMPRESSION]
+    )
+    if "plain" not in configs:
+        configs = ["plain", *configs]
+
+    from recipes.config_schema import compose_config
+    from recipes.train import RATIO_KEY, train
+
+    results: dict[str, Any] = {}
+    for model in models:
+        rows: dict[str, Any] = {}
+        for config in configs:
+            runs = []
+            for seed in args.seeds:
+                cfg = compose_config(overrides(model, config, seed, args.quick, args.device))
+                metrics = train(cfg)
+                runs.append(
+                    {
+                        "seed": seed,
+                        "val_acc": metrics.get(cfg.summary_metric, float("nan")),
+                        "ratio": metrics.get(RATIO_KEY, 1.0),
+                        "seconds": metrics["fit_seconds"],
+                    }
+                )
+            accs = [r["val_acc"] for r in runs]
+            rows[config] = {
+                "val_acc": [round(a, 5) for a in accs],
+                **spread(accs),
+                "ratio_mean": round(statistics.fmean(r["ratio"] for r in runs), 3),
+                "fit_seconds_mean": round(statistics.fmean(r["seconds"] for r in runs), 1),
+            }
+        results[model] = {
+            "overrides": base_overrides(model, args.quick, args.device),
+            "metric": "val/acc",
+            "configs": rows,
+        }
+    result = {
+        "benchmark": "accuracy",
+        "mode": "quick" if args.quick else "full",
+        "machine": machine(resolve_device(args.device)),
+        "seeds": args.seeds,
+        "models": results,
+    }
+    emit(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Run every benchmark and keep its JSON line in ``benchmarks/results/<name>.jsonl``.
+
+Each benchmark runs in a process of its own (``python -m benchmarks.<name>``), one after
+the other. A results file holds at most one line per mode (``quick``, ``full``): a new
+run replaces the line of its own mode and keeps the other. Every line carries the
+machine it was measured on (platform, CPU, core count, torch, threads, device, date),
+the command and its wall time. Then ``python -m benchmarks.report`` draws the plots and
+fills the table in README.md.
+
+    python -m benchmarks.run_all --quick      # a few minutes on 2 CPU cores
+    python -m benchmarks.run_all              # full sizes; CUDA when available
+    python -m benchmarks.run_all --only memory speed --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+BENCHMARKS = ("memory", "speed", "accuracy", "batch", "tradeoff")
+
+
+def last_json_line(text: str) -> dict[str, Any]:
+    """The last line of ``text`` that is a JSON object with a ``benchmark`` key."""
+    for line in reversed(text.strip().splitlines()):
+        if line.startswith("{"):
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(value, dict) and "benchmark" in value:
+                return value
+    raise ValueError("the benchmark printed no JSON line")
+
+
+def read_results(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def store(result: dict[str, Any], results: Path = RESULTS) -> Path:
+    """Write ``result`` to its benchmark's file, replacing the line of the same mode."""
+    results.mkdir(parents=True, exist_ok=True)
+    path = results / f"{result['benchmark']}.jsonl"
+    kept = [r for r in read_results(path) if r.get("mode") != result.get("mode")]
+    lines = [json.dumps(r) for r in [*kept, result]]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def run(name: str, options: list[str]) -> tuple[dict[str, Any] | None, float, str]:
+    """Run one benchmark: its result (``None`` on failure), seconds, and the output tail."""
+    command = [sys.executable, "-m", f"benchmarks.{name}", *options]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
+    if done.returncode != 0:
+        return None, seconds, tail
+    try:
+        result = last_json_line(done.stdout)
+    except ValueError:
+        return None, seconds, tail
+    result["command"] = f"python -m benchmarks.{name} {' '.join(options)}".strip()
+    result["seconds"] = round(seconds, 1)
+    return result, seconds, tail
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="small sizes (2 CPU cores)")
+    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS))
+    args = parser.parse_args(argv)
+    options = ["--device", args.device]
+    options += ["--quick"] if args.quick else []
+    options += ["--threads", str(args.threads)] if args.threads is not None else []
+    failed = []
+    total = time.perf_counter()
+    for name in args.only:
+        result, seconds, tail = run(name, options)
+        if result is None:
+            failed.append(name)
+            print(f"{name}: FAILED after {seconds:.0f} s\n{tail}", flush=True)
+            continue
+        path = store(result)
+        print(f"{name}: {seconds:.0f} s -> {path.relative_to(ROOT)}", flush=True)
+    print(f"all: {time.perf_counter() - total:.0f} s" + (f"; failed: {failed}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

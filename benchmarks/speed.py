@@ -1,0 +1,135 @@
+"""Step time of each policy and of ``torch.utils.checkpoint`` relative to plain training,
+per recipe model, measured side by side.
+
+Prints one JSON line. Every configuration trains its own copy of the same model on the
+same batch; a step is ``zero_grad`` + forward + backward (the optimizer step, the same
+for all, is left out so that it does not dilute the ratios). The calibrating policies
+first run their calibration steps (timed separately: ``calibration_step_ms``). After
+one warm-up step each, every round runs every configuration once, in turn (each round
+starting one further along), so drift (other work on the machine, clock changes)
+affects all alike; ``vs_plain`` is the median over rounds of the step time divided by
+the plain step time of the same round. ``amortized_vs_plain`` adds one calibration
+step per ``calibrate_every`` (100) steps.
+
+    python -m benchmarks.speed [--quick] [--rounds 7] [--models resnet bert gnn]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+from benchmarks._harness import (
+    CALIBRATION_STEPS,
+    CONFIGS,
+    MEASURED_STEP,
+    MODELS,
+    POLICIES,
+    Runner,
+    add_common_arguments,
+    build_recipe,
+    emit,
+    machine,
+    make_runner,
+    resolve_device,
+    setup_threads,
+    synchronize,
+)
+
+CALIBRATE_EVERY = 100  # the policies' default
+
+
+def _timed(runner: Runner, step: int) -> float:
+    device = next(runner.module.parameters()).device
+    synchronize(device)
+    start = time.perf_counter()
+    runner.step(step)
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def _calibration_times(runner: Runner) -> list[float]:
+    if not runner.calibrates:
+        return []
+    return [_timed(runner, step) for step in range(CALIBRATION_STEPS)]
+
+
+def measure_model(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    device = resolve_device(args.device)
+    recipe = build_recipe(name, args.quick, device)
+    runners = {config: make_runner(config, recipe) for config in args.configs}
+    calibration = {config: _calibration_times(r) for config, r in runners.items()}
+    for runner in runners.values():  # warm-up
+        runner.step(MEASURED_STEP)
+    times: dict[str, list[float]] = {config: [] for config in runners}
+    order = list(runners)
+    for i in range(args.rounds):
+        for config in order[i % len(order) :] + order[: i % len(order)]:  # rotate the start
+            times[config].append(_timed(runners[config], MEASURED_STEP))
+    for runner in runners.values():
+        runner.close()
+    plain = times["plain"]
+    configs: dict[str, dict[str, Any]] = {}
+    for config, ts in times.items():
+        ratio = statistics.median(t / p for t, p in zip(ts, plain, strict=True))
+        row: dict[str, Any] = {
+            "step_ms": round(1e3 * statistics.median(ts), 2),
+            "min_ms": round(1e3 * min(ts), 2),
+            "vs_plain": round(ratio, 3),
+        }
+        # The first calibration step also builds the policy's codecs; the median of the
+        # three is the typical cost.
+        if calibration[config]:
+            calib = statistics.median(calibration[config])
+            row["calibration_step_ms"] = round(1e3 * calib, 2)
+            step = statistics.median(ts)
+            amortized = ((CALIBRATE_EVERY - 1) * step + calib) / CALIBRATE_EVERY
+            row["amortized_vs_plain"] = round(ratio * amortized / step, 3)
+        configs[config] = row
+    return {
+        "description": recipe.description,
+        "plain_step_ms": configs["plain"]["step_ms"],
+        "configs": configs,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_common_arguments(parser)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=list(CONFIGS),
+        choices=CONFIGS,
+        help="plain is always included",
+    )
+    parser.add_argument("--rounds", type=int, default=None, help="default: 7 quick, 15 full")
+    args = parser.parse_args(argv)
+    setup_threads(args)
+    if args.rounds is None:
+        args.rounds = 7 if args.quick else 15
+    if "plain" not in args.configs:
+        args.configs = ["plain", *args.configs]
+    device = resolve_device(args.device)
+    models = {name: measure_model(args, name) for name in args.models}
+    result = {
+        "benchmark": "speed",
+        "mode": "quick" if args.quick else "full",
+        "machine": machine(device),
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "step": "zero_grad + forward + backward, median over interleaved rounds",
+        "policies": {k: {"policy": p, **o} for k, (p, o) in POLICIES.items()},
+        "models": models,
+    }
+    emit(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
