@@ -278,8 +278,19 @@ def test_table_printed_at_fit_end(caplog: pytest.LogCaptureFixture) -> None:
 
 
 # -- checkpoint and resume -----------------------------------------------------------
-def test_resume_at_epoch_boundary_matches_uninterrupted_run(tmp_path: Any) -> None:
-    options = dict(codec="quant", bits=2, seed=7, print_table=False)
+@pytest.mark.parametrize(
+    "policy_options",
+    [
+        {"codec": "quant", "bits": 2},
+        # calibrating policy: bounds, corrections and histories come back with the state
+        {"policy": "acgc", "gradient_error": 0.05, "calibrate_every": 3},
+    ],
+    ids=["fixed-quant2", "acgc"],
+)
+def test_resume_at_epoch_boundary_matches_uninterrupted_run(
+    tmp_path: Any, policy_options: dict
+) -> None:
+    options = dict(**policy_options, seed=7, print_table=False)
     torch.manual_seed(0)
     full = TinyMLP()
     fit(full, [ActivationCompression(**options)], max_epochs=4)
