@@ -40,9 +40,7 @@ rounding is unbiased.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
-from types import ModuleType
 
 import torch
 
@@ -62,7 +60,6 @@ __all__ = [
 ]
 
 _FP32_MAX = torch.finfo(torch.float32).max
-_TRITON_MODULE = "lightning_acgc.kernels.division_triton"
 
 
 def pool_axes(ndim: int) -> tuple[int, ...]:
@@ -361,17 +358,6 @@ def division_decode_ref(
     return _decode(payload, shape, dtype, block, residual_bits, group_size, "torch")
 
 
-def _fused_triton() -> ModuleType | None:
-    """The fused Triton module, or ``None`` while it has not been written (any other
-    import error is raised)."""
-    try:
-        return importlib.import_module(_TRITON_MODULE)
-    except ModuleNotFoundError as err:
-        if err.name != _TRITON_MODULE:
-            raise
-        return None
-
-
 def division_encode(
     x: torch.Tensor,
     block: int,
@@ -381,18 +367,11 @@ def division_encode(
     seed: int,
     backend: str = "auto",
 ) -> dict[str, torch.Tensor]:
-    """Encode through Triton or the torch reference (see :func:`use_triton`).
-
-    Without a fused kernel module (``division_triton``) the Triton path runs the reference
-    with the Triton quant and mask kernels.
-    """
+    """Encode through Triton or the torch reference (see :func:`use_triton`)."""
     if use_triton(x, backend):
-        fused = _fused_triton()
-        if fused is not None:
-            return fused.division_encode_triton(
-                x, block, residual_bits, group_size, low_dtype, seed
-            )
-        return _encode(x, block, residual_bits, group_size, low_dtype, seed, backend)
+        from lightning_acgc.kernels.division_triton import division_encode_triton
+
+        return division_encode_triton(x, block, residual_bits, group_size, low_dtype, seed)
     return division_encode_ref(x, block, residual_bits, group_size, low_dtype, seed)
 
 
@@ -407,10 +386,7 @@ def division_decode(
 ) -> torch.Tensor:
     """Decode through Triton or the torch reference (see :func:`use_triton`)."""
     if use_triton(payload["low"], backend):
-        fused = _fused_triton()
-        if fused is not None:
-            return fused.division_decode_triton(
-                payload, shape, dtype, block, residual_bits, group_size
-            )
-        return _decode(payload, shape, dtype, block, residual_bits, group_size, backend)
+        from lightning_acgc.kernels.division_triton import division_decode_triton
+
+        return division_decode_triton(payload, shape, dtype, block, residual_bits, group_size)
     return division_decode_ref(payload, shape, dtype, block, residual_bits, group_size)
