@@ -131,24 +131,12 @@ class ACGCPolicy(CalibratingPolicy):
         self._exact: dict[str, torch.Tensor] | None = None
 
     # -- codecs ---------------------------------------------------------------
-    def _bounded(self, bound: float, relative: bool) -> Codec:
-        return self._codec(
-            "bounded", error_bound=bound, relative=relative, group_size=self.group_size
-        )
-
     def codec_for(self, site: SiteInfo, x: torch.Tensor) -> Codec | None:
         if self._calibrating and site.module_type in NORM_TYPES:
             var = float(x.detach().float().var())
             if var > 0 and math.isfinite(var):
                 self._inv_var[site.key] = 1.0 / var
-        bound = self.bounds.get(site.key)
-        if bound is None:
-            return self._bounded(self.initial_relative_bound, True)
-        return self._bounded(bound, False)
-
-    def describe(self, codec: Codec) -> str:
-        cfg = codec.config
-        return f"{'rel' if cfg.relative else 'eb'}={cfg.error_bound:.3g}"
+        return self._bounded_for(site.key, self.bounds, self.initial_relative_bound)
 
     # -- calibration cycle ------------------------------------------------------
     def begin_step(self, step: int) -> None:

@@ -40,6 +40,21 @@ class CalibratingPolicy(Policy):
             codec = self._codecs[key] = cfg.build_codec()
         return codec
 
+    def _bounded_for(self, key: str, bounds: dict[str, float], relative: float) -> Codec:
+        """``bounded`` with the site's absolute bound, or with ``relative`` (a fraction of
+        the tensor's range) for a site that has none yet. Needs ``self.group_size``."""
+        bound = bounds.get(key)
+        options = {"group_size": self.group_size}  # type: ignore[attr-defined]
+        if bound is None:
+            return self._codec("bounded", error_bound=relative, relative=True, **options)
+        return self._codec("bounded", error_bound=bound, relative=False, **options)
+
+    def describe(self, codec: Codec) -> str:
+        cfg = codec.config
+        if codec.name != "bounded":
+            return super().describe(codec)
+        return f"{'rel' if cfg.relative else 'eb'}={cfg.error_bound:.3g}"
+
     def is_calibration_step(self, step: int) -> bool:
         return is_calibration_step(step, self.calibrate_every, self.warmup_steps)
 

@@ -72,25 +72,13 @@ class CometPolicy(CalibratingPolicy):
         self.bounds: dict[str, float] = {}
         self._step_ranges: dict[str, float] = {}
 
-    def _bounded(self, bound: float, relative: bool) -> Codec:
-        return self._codec(
-            "bounded", error_bound=bound, relative=relative, group_size=self.group_size
-        )
-
     def codec_for(self, site: SiteInfo, x: torch.Tensor) -> Codec | None:
         if self._calibrating:
             finite = x.detach()[torch.isfinite(x.detach())]
             if finite.numel():
                 lo, hi = torch.aminmax(finite)
                 self._step_ranges[site.key] = float(hi.double() - lo.double())
-        bound = self.bounds.get(site.key)
-        if bound is None:
-            return self._bounded(self.relative_bound, True)
-        return self._bounded(bound, False)
-
-    def describe(self, codec: Codec) -> str:
-        cfg = codec.config
-        return f"{'rel' if cfg.relative else 'eb'}={cfg.error_bound:.3g}"
+        return self._bounded_for(site.key, self.bounds, self.relative_bound)
 
     def begin_step(self, step: int) -> None:
         super().begin_step(step)
