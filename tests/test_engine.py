@@ -61,6 +61,26 @@ def test_same_tensor_saved_twice_is_packed_once() -> None:
     assert torch.allclose(x.grad, 8 * x.detach(), atol=0.5)
 
 
+def test_tensor_saved_by_two_ops_is_decoded_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ReLU output saved by the ReLU and by the next Linear: one encode, one decode,
+    and both backward ops get the same values."""
+    from lightning_acgc.codecs.quant import QuantCodec
+
+    decodes = []
+    decode = QuantCodec.decode
+    monkeypatch.setattr(QuantCodec, "decode", lambda self, p: decodes.append(1) or decode(self, p))
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    x = torch.randn(128, 64)
+    with compress_activations(codec="quant", bits=8, model=model) as stats:
+        model(x).square().sum().backward()
+    # packed: the input, the ReLU output (shared with the second Linear), the output
+    # (saved by square); four saves, three decodes
+    assert stats.tensors_packed == 3
+    assert len(decodes) == 3
+    shared = [r for r in stats.sites.values() if r.shared_with is not None]
+    assert [r.module for r in shared] == ["2"]
+
+
 def test_views_of_one_tensor_saved_by_several_linears_are_packed_once() -> None:
     """q, k, v projections of one 3-D hidden state each save a fresh 2-D view of it."""
     qkv = nn.ModuleList([nn.Linear(64, 64) for _ in range(3)])

@@ -46,14 +46,28 @@ def _anchor(t: torch.Tensor) -> torch.Tensor:
 
 
 class _Saved:
-    """What autograd holds instead of a compressed tensor."""
+    """What autograd holds instead of a compressed tensor.
 
-    __slots__ = ("__weakref__", "codec", "packed", "site")
+    A tensor saved by several ops (a ReLU output that is also the next conv's input) is
+    packed once and handed out ``pending`` times; backward decodes it once and keeps the
+    decoded tensor until the last of those unpacks (or until the graph is freed, if some
+    op never unpacks it).
+    """
+
+    __slots__ = ("__weakref__", "codec", "decoded", "packed", "pending", "site")
 
     def __init__(self, packed: Packed, codec: Codec, site: str) -> None:
         self.packed = packed
         self.codec = codec
         self.site = site
+        self.pending = 1
+        self.decoded: torch.Tensor | None = None
+
+    def unpack(self) -> torch.Tensor:
+        out = self.decoded if self.decoded is not None else self.codec.decode(self.packed)
+        self.pending -= 1
+        self.decoded = out if self.pending > 0 else None
+        return out
 
 
 class ActivationCompressor:
@@ -243,6 +257,7 @@ class ActivationCompressor:
         if saved is not None:
             self._record(site, t, saved.codec.name, f"shared with {saved.site}", 0, 0)
             self.stats.sites[site.key].shared_with = saved.site
+            saved.pending += 1
             return saved
         if t.dtype == torch.bool:
             if not self.compress_masks or t.numel() < self.min_numel:
@@ -286,5 +301,5 @@ class ActivationCompressor:
     @staticmethod
     def _unpack(saved: Any) -> torch.Tensor:
         if isinstance(saved, _Saved):
-            return saved.codec.decode(saved.packed)
+            return saved.unpack()
         return saved
