@@ -64,6 +64,8 @@ stay positive. In a group holding both signs, a value within ``eb`` of 0 may dec
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -75,10 +77,12 @@ __all__ = [
     "MAX_WIDTH",
     "RAW_WIDTH",
     "SUPPORTED_DTYPES",
+    "GroupPlan",
     "bounded_decode",
     "bounded_decode_ref",
     "bounded_encode",
     "bounded_encode_ref",
+    "group_plan",
 ]
 
 MAX_WIDTH = 16
@@ -294,6 +298,60 @@ def _group_steps(
     return step, base
 
 
+class GroupPlan(NamedTuple):
+    """Each group's kind and parameters, as the encoders decide them (``G`` values each)."""
+
+    width: torch.Tensor  # uint8 payload width (0 constant, 1..16 coded, 255 raw)
+    lo: torch.Tensor  # float32 payload lo
+    step: torch.Tensor  # float32 payload step (negative when zero-kept)
+    unsigned_step: torch.Tensor  # float32 |step| of coded groups (meaningless elsewhere)
+    zero_kept: torch.Tensor  # bool
+    coded: torch.Tensor  # bool
+    raw: torch.Tensor  # bool
+
+
+def group_plan(
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    eb: torch.Tensor,
+    dtype: torch.dtype,
+    has_zero: Callable[[], torch.Tensor],
+    min_pos: Callable[[], torch.Tensor],
+) -> GroupPlan:
+    """The per-group decisions of the format from the group statistics, shared by the
+    torch and the Triton encoders so that both write the same payload.
+
+    Args:
+        lo, hi: float32 (G,) min and max of each group's finite values (NaN/inf replaced).
+        eb: the absolute bound, float64 0-d.
+        dtype: the input dtype.
+        has_zero: returns bool (G,), whether a group holds an exact 0 (read only for
+            groups holding both signs; called only if there are such groups).
+        min_pos: returns float32 (G,), each group's smallest positive value (read only
+            for groups whose minimum is 0; called only if there are such groups).
+    """
+    # Zero-kept groups: an exact 0 next to other values. Base: smallest nonzero value.
+    const = lo == hi
+    zero_lo = (lo == 0) & ~const
+    zero_kept = zero_lo | ((hi == 0) & ~const)
+    mixed = (lo < 0) & (hi > 0)
+    if bool(mixed.any()):
+        zero_kept |= mixed & has_zero()
+    base = torch.where(zero_lo, min_pos(), lo) if bool(zero_lo.any()) else lo
+    step, base = _group_steps(lo, hi, base, const, eb, dtype)
+
+    # Width from the largest code, computed exactly as the codes are (monotone in x).
+    max_width = min(MAX_WIDTH, _FORMATS[dtype][2] - 1)
+    top = (hi - base).div_(step).round_() + zero_kept.float()
+    coded = ~const & (step > 0) & (top <= float(2**max_width - 1))  # NaN/inf fail
+    raw = ~const & ~coded
+    bits = torch.frexp(torch.where(coded, top, 0.0))[1]  # bit length of the largest code
+    width = bits.masked_fill_(raw, RAW_WIDTH).to(torch.uint8)
+    lo_p = torch.where(raw, 0.0, base)
+    step_p = torch.where(coded, torch.where(zero_kept, -step, step), 0.0)
+    return GroupPlan(width, lo_p, step_p, step, zero_kept, coded, raw)
+
+
 def bounded_encode_ref(
     x: torch.Tensor, error_bound: float, group_size: int, relative: bool = False
 ) -> dict[str, torch.Tensor]:
@@ -323,29 +381,17 @@ def bounded_encode_ref(
         has_finite = per_group < group_size
     eb = _abs_bound(lo, hi, has_finite, error_bound, relative)
 
-    # Zero-kept groups: an exact 0 next to other values. Base: smallest nonzero value.
-    const = lo == hi
-    zero_lo = (lo == 0) & ~const
-    zero_kept = zero_lo | ((hi == 0) & ~const)
-    mixed = (lo < 0) & (hi > 0)
-    if bool(mixed.any()):
-        zero_kept |= mixed & (xg.abs().amin(dim=1) == 0)
-    base = lo
-    if bool(zero_lo.any()):  # smallest positive value: zeros pushed to float32 max
-        min_pos = torch.sign(xg).sub_(1.0).mul_(-_F32_MAX).add_(xg).amin(dim=1)
-        base = torch.where(zero_lo, min_pos, lo)
-    step, base = _group_steps(lo, hi, base, const, eb, dtype)
-
-    # Width from the largest code, computed exactly as the codes are (monotone in x).
-    max_width = min(MAX_WIDTH, _FORMATS[dtype][2] - 1)
-    top = (hi - base).div_(step).round_() + zero_kept.float()
-    coded = ~const & (step > 0) & (top <= float(2**max_width - 1))  # NaN/inf fail
-    raw = ~const & ~coded
-    bits = torch.frexp(torch.where(coded, top, 0.0))[1]  # bit length of the largest code
-    width = bits.masked_fill_(raw, RAW_WIDTH).to(torch.uint8)
-
-    lo_p = torch.where(raw, 0.0, base)
-    step_p = torch.where(coded, torch.where(zero_kept, -step, step), 0.0)
+    plan = group_plan(
+        lo,
+        hi,
+        eb,
+        dtype,
+        has_zero=lambda: xg.abs().amin(dim=1) == 0,
+        # smallest positive value: zeros pushed to float32 max
+        min_pos=lambda: torch.sign(xg).sub_(1.0).mul_(-_F32_MAX).add_(xg).amin(dim=1),
+    )
+    width, lo_p, step_p = plan.width, plan.lo, plan.step
+    coded, raw, zero_kept, step = plan.coded, plan.raw, plan.zero_kept, plan.unsigned_step
     viol = None
     codes = torch.zeros(0, dtype=torch.uint8, device=dev)
     if bool(coded.any()):

@@ -7,8 +7,8 @@ the reference's. Work split:
 1. ``_stats_kernel`` (one pass over ``x``): per group the finite min/max, the smallest
    positive value, whether it holds a zero and how many NaN/inf.
 2. torch on the ``G`` per-group values: the bound, each group's kind, step, base and code
-   width (the reference's own helpers), the byte offsets of the variable-width groups
-   (a cumsum) and the ranks of the raw groups.
+   width (the reference's :func:`~lightning_acgc.kernels.bounded.group_plan`), the byte
+   offsets of the variable-width groups (a cumsum) and the ranks of the raw groups.
 3. ``_encode_kernel`` (second pass): codes rounded half to even, packed at each group's
    width into its byte range, raw groups copied, the decode check counted per group.
    Groups with violators or NaN/inf are run again with ``FLAGS`` to list the exceptions.
@@ -307,32 +307,19 @@ def _group_params(
     dtype: torch.dtype,
     group_size: int,
 ) -> tuple[torch.Tensor, ...]:
-    """The reference's per-group decisions from the group statistics: ``(width, lo_p,
-    step_p, fill, eb)``. Mirrors ``bounded_encode_ref`` line by line (its ``xg`` has NaN/inf
-    replaced by the group's finite min, 0 in a group without finite values)."""
+    """The per-group decisions (:func:`~lightning_acgc.kernels.bounded.group_plan`, as
+    the reference makes them) from the group statistics: ``(width, lo_p, step_p, fill,
+    eb)``. NaN/inf count as the group's finite min, 0 in a group without finite values
+    (the reference's ``fill_nonfinite_rows``)."""
     has_finite = n_bad < group_size
-    lo = torch.where(has_finite, lo, 0.0)  # the reference's fill of an all-NaN/inf group
+    lo = torch.where(has_finite, lo, 0.0)
     hi = torch.where(has_finite, hi, 0.0)
     any_bad = bool((n_bad > 0).any())
     eb = _ref._abs_bound(lo, hi, has_finite if any_bad else None, error_bound, relative)
-
-    const = lo == hi
-    zero_lo = (lo == 0) & ~const
-    zero_kept = zero_lo | ((hi == 0) & ~const)
-    mixed = (lo < 0) & (hi > 0)
-    zero_kept |= mixed & (has_zero != 0)
-    base = torch.where(zero_lo, min_pos, lo)
-    step, base = _ref._group_steps(lo, hi, base, const, eb, dtype)
-
-    max_width = min(_ref.MAX_WIDTH, _ref._FORMATS[dtype][2] - 1)
-    top = (hi - base).div_(step).round_() + zero_kept.float()
-    coded = ~const & (step > 0) & (top <= float(2**max_width - 1))
-    raw = ~const & ~coded
-    bits = torch.frexp(torch.where(coded, top, 0.0))[1]
-    width = bits.masked_fill_(raw, _ref.RAW_WIDTH).to(torch.uint8)
-    lo_p = torch.where(raw, 0.0, base)
-    step_p = torch.where(coded, torch.where(zero_kept, -step, step), 0.0)
-    return width, lo_p, step_p, lo, eb
+    plan = _ref.group_plan(
+        lo, hi, eb, dtype, has_zero=lambda: has_zero != 0, min_pos=lambda: min_pos
+    )
+    return plan.width, plan.lo, plan.step, lo, eb
 
 
 def bounded_encode_triton(
