@@ -173,3 +173,42 @@ def test_bad_policy_options(name: str, options: dict, match: str) -> None:
 
 def test_all_policies_registered() -> None:
     assert {"acgc", "gact", "division", "comet", "fixed", "off"} <= set(available_policies())
+
+
+class SaturatedTanh(nn.Module):
+    """A layer feeding a saturated tanh: its gradient is tiny (tanh' ≈ 0) and comes through
+    the saved tanh output, where a small absolute error is a large relative one in
+    1 − y². The global gradient error is dominated by the head, so only a per-layer
+    check sees this layer's error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 256)
+        self.act = nn.Tanh()
+        self.b = nn.Linear(256, 4)
+        with torch.no_grad():
+            self.a.weight.mul_(8.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.act(self.a(x)))
+
+
+def _shifted(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    y = torch.randint(0, 4, (64,), generator=g)
+    return torch.randn(64, 16, generator=g) + y[:, None].float(), y
+
+
+def test_acgc_holds_each_layers_error_not_only_the_global_one() -> None:
+    torch.manual_seed(0)
+    e = 0.05
+    _, history = _train(
+        SaturatedTanh(), "acgc", 20, _shifted, lr=0.01, gradient_error=e, calibrate_every=2
+    )
+    calibrations = {i: h for i, h in enumerate(history) if "grad_error" in h}
+    # First allocated bounds (step 1): globally fine, the saturated layer far off.
+    assert calibrations[1]["grad_error"] <= e < calibrations[1]["layer_grad_error"]
+    assert calibrations[1]["lambda"] > 1
+    later = [h for i, h in calibrations.items() if i >= 4]
+    assert len(later) == 8
+    assert all(h["layer_grad_error"] <= e and h["grad_error"] <= e for h in later), later

@@ -108,17 +108,16 @@ def test_offline_default_learns(model: str) -> None:
         ("resnet", "acgc"),
         ("gnn", "acgc"),
         ("bert", "fixed"),
-        # Stalled (0.50-0.70) while acgc held the bound only globally: query and key,
-        # whose gradients are small at initialization, took a 100% error and never
-        # learned. The per-layer bound fixed that; with AdamW (which rescales every
-        # coordinate) this task still wants a tighter e: 0.74 at e=0.05, 0.98 at 0.01.
+        # At the default e = 0.05 this learned to only 0.74 while acgc held each layer's
+        # error for the layer's own input alone: query and key, whose gradients are small
+        # at initialization, took 160-230% error through δ (softmax, matmul operands),
+        # which AdamW turns into full steps. The measured per-layer check fixed that.
         ("bert", "acgc"),
     ],
 )
 def test_offline_default_learns_compressed(model: str, compression: str) -> None:
     overrides, floor = LEARNS[model]
-    extra = ["compression.gradient_error=0.01"] if (model, compression) == ("bert", "acgc") else []
-    metrics = train(compose(*overrides, f"compression={compression}", *extra))
+    metrics = train(compose(*overrides, f"compression={compression}"))
     assert metrics["val/acc"] > floor, metrics
     assert metrics["acgc/ratio"] > 2, metrics
 
