@@ -76,6 +76,15 @@ __all__ = ["ACGCPolicy"]
 _UNCONSTRAINED = 1e30  # bound for a tensor no gradient depends on
 
 
+def _per_module_sq(grads: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Squared norm of the gradients by module (a parameter name without its last part)."""
+    out: dict[str, float] = {}
+    for name, g in grads.items():
+        module = name.rpartition(".")[0]
+        out[module] = out.get(module, 0.0) + float(g.detach().double().square().sum())
+    return out
+
+
 class ACGCPolicy(CalibratingPolicy):
     """Error-bounded compression with bounds derived from an allowed gradient error.
 
@@ -141,11 +150,9 @@ class ACGCPolicy(CalibratingPolicy):
         super().__init__()
         self.bounds: dict[str, float] = {}
         self.kappa = self.initial_kappa
-        self.lam = 1.0  # λ: extra tightening of the other ops, from per-layer readings
         self._readings: deque[float] = deque(maxlen=history)
-        self._layer_readings: deque[float] = deque(maxlen=history)
-        self._own_scale: dict[str, float] = {}  # μ_m: tightening of weight op m's own input
-        self._own_readings: dict[str, deque[float]] = {}
+        self._layer_readings: deque[float] = deque(maxlen=history)  # λ's
+        self._own_readings: dict[str, deque[float]] = {}  # μ_m's, by weight op
         self._predicted_own: dict[str, float] = {}  # per weight op, for the bounds in force
         # per tensor: (numel, {weight op: fan_in·‖δ‖²}, other ops' factor) per calibration
         self._sens: dict[str, deque[tuple[int, dict[str, float], float]]] = {}
@@ -182,8 +189,9 @@ class ACGCPolicy(CalibratingPolicy):
             return
         start = time.perf_counter()
         grad_sq = self.stats.stop()
-        layer = self._layer_norms(self._exact)
-        g_sq = {"": sum(float(g.double().square().sum()) for g in self._exact.values())}
+        module_sq = _per_module_sq(self._exact)
+        layer = self._weight_ops(module_sq)
+        g_sq = {"": sum(module_sq.values())}
         grad_sq, layer, g_sq = self._reduce(reduce, grad_sq, layer, g_sq)
         g_sq = g_sq[""]
         if self._structure:
@@ -197,11 +205,7 @@ class ACGCPolicy(CalibratingPolicy):
         start = time.perf_counter()
         grad_sq = self.stats.stop()
         module_g, module_err = self._module_norms(model)
-        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-        layer = self._layer_norms(grads)
-        grad_sq, layer, module_g, module_err = self._reduce(
-            reduce, grad_sq, layer, module_g, module_err
-        )
+        grad_sq, module_g, module_err = self._reduce(reduce, grad_sq, module_g, module_err)
         g_sq, err_sq = sum(module_g.values()), sum(module_err.values())
         if self.engine is not None:
             self._structure = {
@@ -211,7 +215,8 @@ class ACGCPolicy(CalibratingPolicy):
             self._measure(g_sq, err_sq)
             self._measure_layers(module_g, module_err, g_sq)
         elif self._exact is None and g_sq > 0:
-            self._calibrate(grad_sq, g_sq, layer)  # cheap mode: bounds for the next steps
+            # cheap mode: bounds for the next steps (module_g is the compressed gradient's)
+            self._calibrate(grad_sq, g_sq, self._weight_ops(module_g))
         self._metrics["calib_ms"] = self._metrics.get("calib_ms", 0.0) + 1e3 * (
             time.perf_counter() - start
         )
@@ -221,14 +226,18 @@ class ACGCPolicy(CalibratingPolicy):
         if finite:
             self._metrics["log10_bound"] = sum(finite) / len(finite)
 
-    def _layer_norms(self, grads: dict[str, torch.Tensor]) -> dict[str, float]:
-        """‖g_W‖² per weight op (its weight and bias), by module name."""
-        out = dict.fromkeys(self.stats.fan_in, 0.0)
-        for name, g in grads.items():
-            module = name.rsplit(".", 1)[0] if "." in name else ""
-            if module in out:
-                out[module] += float(g.detach().double().square().sum())
-        return out
+    @property
+    def lam(self) -> float:
+        """λ: the extra tightening of the other ops' bounds, from per-layer readings."""
+        return max(self._layer_readings, default=1.0)
+
+    def _own_scale(self, module: str) -> float:
+        """μ_m: the extra tightening of weight op ``module``'s own input."""
+        return max(self._own_readings.get(module, ()), default=1.0)
+
+    def _weight_ops(self, module_sq: dict[str, float]) -> dict[str, float]:
+        """‖g_W‖² per weight op (its weight and bias) from the per-module table."""
+        return {m: module_sq.get(m, 0.0) for m in self.stats.fan_in}
 
     def _reduce(self, reduce: Reduce | None, *tables: dict[str, float]) -> list[dict[str, float]]:
         """Average the step's statistics over ranks, so every rank gets the same bounds.
@@ -306,17 +315,17 @@ class ACGCPolicy(CalibratingPolicy):
         # worst module leaves room for.
         over = [through_delta[m] for m, r in needs.items() if r > 1]
         lam_need = max(over) if over else max(needs.values())
-        self.lam = self._correct(self.lam, lam_need, self._layer_readings)
+        self._add_reading(self._layer_readings, lam_need)
         for module in self.stats.fan_in:
             readings = self._own_readings.setdefault(module, deque(maxlen=self.history))
-            mu = self._own_scale.get(module, 1.0)
-            self._own_scale[module] = self._correct(mu, needs.get(module, 0.0), readings)
+            self._add_reading(readings, needs.get(module, 0.0))
 
-    def _correct(self, value: float, need: float, readings: deque[float]) -> float:
-        """A per-layer correction after a reading: ``value · need`` would have put the layer
-        on budget; within [1, value · max_tightening]; the largest of ``readings``."""
+    def _add_reading(self, readings: deque[float], need: float) -> None:
+        """One reading of a per-layer correction (the largest of its ``readings``): the
+        value times ``need`` would have put the layer on budget; kept within
+        [1, value · max_tightening]."""
+        value = max(readings, default=1.0)
         readings.append(min(max(value * need, 1.0), value * self.max_tightening))
-        return max(readings)
 
     def _calibrate(self, grad_sq: dict[str, float], g_sq: float, layer: dict[str, float]) -> None:
         sens = tensor_sensitivities(self._structure, grad_sq, self.stats.fan_in, self._inv_var)
@@ -357,7 +366,7 @@ class ACGCPolicy(CalibratingPolicy):
             eb = _UNCONSTRAINED
             for m, c in weights.items():
                 if c > 0 and layer_sq.get(m, 0.0) > 0:  # this layer's own share
-                    own = self.layer_share * e_sq * layer_sq[m] / self._own_scale.get(m, 1.0)
+                    own = self.layer_share * e_sq * layer_sq[m] / self._own_scale(m)
                     eb = min(eb, math.sqrt(3 * own / c))
                 elif c > 0:  # no gradient of its own to compare with: the global budget
                     other += c
@@ -376,9 +385,7 @@ class ACGCPolicy(CalibratingPolicy):
             "bounds": dict(self.bounds),
             "kappa": self.kappa,
             "readings": list(self._readings),
-            "lambda": self.lam,
             "layer_readings": list(self._layer_readings),
-            "own_scale": dict(self._own_scale),
             "own_readings": {m: list(v) for m, v in self._own_readings.items()},
             "sens": {k: list(v) for k, v in self._sens.items()},
             "grad_sq": list(self._grad_sq),
@@ -392,9 +399,7 @@ class ACGCPolicy(CalibratingPolicy):
         self.kappa = float(state["kappa"])
         self._readings = deque(state["readings"], maxlen=self.history)
         # (checkpoints written before the per-layer check have none of these)
-        self.lam = float(state.get("lambda", 1.0))
         self._layer_readings = deque(state.get("layer_readings", ()), maxlen=self.history)
-        self._own_scale = dict(state.get("own_scale", {}))
         self._own_readings = {
             m: deque(v, maxlen=self.history) for m, v in state.get("own_readings", {}).items()
         }
