@@ -304,7 +304,6 @@ class GroupPlan(NamedTuple):
     width: torch.Tensor  # uint8 payload width (0 constant, 1..16 coded, 255 raw)
     lo: torch.Tensor  # float32 payload lo
     step: torch.Tensor  # float32 payload step (negative when zero-kept)
-    unsigned_step: torch.Tensor  # float32 |step| of coded groups (meaningless elsewhere)
     zero_kept: torch.Tensor  # bool
     coded: torch.Tensor  # bool
     raw: torch.Tensor  # bool
@@ -349,7 +348,7 @@ def group_plan(
     width = bits.masked_fill_(raw, RAW_WIDTH).to(torch.uint8)
     lo_p = torch.where(raw, 0.0, base)
     step_p = torch.where(coded, torch.where(zero_kept, -step, step), 0.0)
-    return GroupPlan(width, lo_p, step_p, step, zero_kept, coded, raw)
+    return GroupPlan(width, lo_p, step_p, zero_kept, coded, raw)
 
 
 def bounded_encode_ref(
@@ -391,11 +390,11 @@ def bounded_encode_ref(
         min_pos=lambda: torch.sign(xg).sub_(1.0).mul_(-_F32_MAX).add_(xg).amin(dim=1),
     )
     width, lo_p, step_p = plan.width, plan.lo, plan.step
-    coded, raw, zero_kept, step = plan.coded, plan.raw, plan.zero_kept, plan.unsigned_step
+    coded, raw, zero_kept = plan.coded, plan.raw, plan.zero_kept
     viol = None
     codes = torch.zeros(0, dtype=torch.uint8, device=dev)
     if bool(coded.any()):
-        q = (xg - lo_p[:, None]).div_(torch.where(coded, step, 1.0)[:, None]).round_()
+        q = (xg - lo_p[:, None]).div_(torch.where(coded, step_p.abs(), 1.0)[:, None]).round_()
         if bool((zero_kept & coded).any()):
             # Codes 1.. for nonzero values, 0 for zeros (other groups hold no zeros, or
             # are constant with codes 0 anyway).

@@ -40,7 +40,7 @@ rounding is unbiased.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -57,6 +57,7 @@ __all__ = [
     "division_lowpass_ref",
     "division_upsample_ref",
     "pool_axes",
+    "zero_pattern",
 ]
 
 _FP32_MAX = torch.finfo(torch.float32).max
@@ -281,10 +282,18 @@ def _encode(
         "exc_val": exc_val,
     }
     if bool((lo == 0) & (hi > 0)):  # non-negative, with exact zeros: keep the zero pattern
-        payload["zero_mask"] = mask_pack(x0 == 0, backend)
-        inf = torch.full((), torch.inf, device=x.device)
-        payload["min_pos"] = torch.where(x0 > 0, x0, inf).amin().reshape(1)
+        payload.update(zero_pattern(x0, lambda zero: mask_pack(zero, backend)))
     return payload
+
+
+def zero_pattern(
+    x: torch.Tensor, pack_mask: Callable[[torch.Tensor], torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``zero_mask`` (packed by ``pack_mask``) and ``min_pos`` of a non-negative ``x``
+    that holds exact zeros; shared by the torch and the Triton encoders."""
+    inf = torch.full((), torch.inf, dtype=x.dtype, device=x.device)
+    min_pos = torch.where(x > 0, x, inf).amin().float().reshape(1)
+    return {"zero_mask": pack_mask(x == 0), "min_pos": min_pos}
 
 
 def _decode(

@@ -353,9 +353,7 @@ def division_encode_triton(
         "exc_val": torch.empty(0, dtype=x.dtype, device=x.device),
     }
     if lo_f == 0 and hi_f > 0:  # non-negative with exact zeros: keep the zero pattern
-        payload["zero_mask"] = mask_pack_triton(x == 0)
-        inf = torch.full((), torch.inf, dtype=x.dtype, device=x.device)
-        payload["min_pos"] = torch.where(x > 0, x, inf).amin().float().reshape(1)
+        payload.update(_ref.zero_pattern(x, mask_pack_triton))
     return payload
 
 
