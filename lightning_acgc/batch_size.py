@@ -41,7 +41,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_acgc.config import CompressionConfig
+from lightning_acgc.codecs import CodecSpec
 from lightning_acgc.engine.compressor import ActivationCompressor
 
 __all__ = [
@@ -293,7 +293,7 @@ class CompressedBatchSizeFinder(BatchSizeFinder):
         self.initial_batch_size = lightning_getattr(pl_module, self._batch_arg_name)
         if self.compare_uncompressed:
             policy = engine.policy
-            engine.policy = FixedPolicy(CompressionConfig(codec="identity"))
+            engine.policy = FixedPolicy(CodecSpec("identity"))
             try:
                 self.scale_batch_size(trainer, pl_module)
             finally:

@@ -38,7 +38,6 @@ the optimizer step and other callbacks, and not at all during tuner trials.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import zlib
 from typing import Any
@@ -64,6 +63,7 @@ from lightning_acgc._lightning_utils import (
     training_loss,
 )
 from lightning_acgc.batch_size import CompressedBatchSizeFinder, parse_memory, static_memory_bytes
+from lightning_acgc.codecs import CodecSpec, codec_option_names
 from lightning_acgc.engine.compressor import ActivationCompressor
 from lightning_acgc.engine.meter import CompressionStats
 from lightning_acgc.policies import OffPolicy, Policy, build_policy
@@ -77,7 +77,6 @@ __all__ = ["CODEC_POLICY", "DEFAULT_POLICY", "DEFAULT_POLICY_OPTIONS", "Activati
 DEFAULT_POLICY = "acgc"
 CODEC_POLICY = "fixed"
 DEFAULT_POLICY_OPTIONS: dict[str, dict[str, Any]] = {"fixed": {"codec": "quant", "bits": 4}}
-_CODEC_OPTIONS = frozenset({"codec", "bits", "group_size", "error_bound", "relative", "block"})
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -93,20 +92,11 @@ def _accumulating(trainer: Trainer) -> bool:
     return bool(should_accumulate()) if should_accumulate is not None else False
 
 
-def _policy_class(name: str) -> type[Policy] | None:
-    from lightning_acgc.policies import available_policies, policy_class
-
-    return policy_class(name) if name in available_policies() else None
-
-
-def _build_policy(
-    policy: str | Policy | None,
-    calibrate_every: int,
-    engine_options: dict[str, Any],
-    options: dict[str, Any],
-) -> Policy:
+def _build_policy(policy: str | Policy | None, backend: str, options: dict[str, Any]) -> Policy:
     if policy is None:
-        policy = CODEC_POLICY if _CODEC_OPTIONS & options.keys() else DEFAULT_POLICY
+        default = DEFAULT_POLICY_OPTIONS[CODEC_POLICY]["codec"]
+        names_codec = options.keys() & {"codec", *codec_option_names(default)}
+        policy = CODEC_POLICY if names_codec else DEFAULT_POLICY
     if isinstance(policy, Policy):
         if options:
             raise ValueError(
@@ -116,41 +106,24 @@ def _build_policy(
         return policy
     if not isinstance(policy, str):
         raise ValueError(f"policy={policy!r} must be a policy name or a Policy instance")
-    cls = _policy_class(policy)
-    if cls is None:
-        return build_policy(policy)  # raises the registry's ValueError naming the choices
-    params = inspect.signature(cls.__init__).parameters
-    options = dict(options)
     if "codec" not in options:
         options = {**DEFAULT_POLICY_OPTIONS.get(policy, {}), **options}
-    if "calibrate_every" in params:
-        options["calibrate_every"] = calibrate_every
-    if "config" in params:
-        options.update(engine_options)
-    return build_policy(policy, **options)
+    return build_policy(policy, backend=backend, **options)
 
 
 def _codec_text(policy: Policy) -> str:
-    """``"codec=quant bits=4"``: the policy's codec and codec options (or ``""``)."""
-    parts: list[str] = []
+    """``"codec=quant bits=4"``: the policy's codec spec (or ``""``)."""
     config = getattr(policy, "config", None)
-    if (
-        config is not None
-        and dataclasses.is_dataclass(config)
-        and not isinstance(policy, OffPolicy)
-    ):
-        parts.append(f"codec={config.codec}")
-        parts.extend(f"{k}={v}" for k, v in sorted(config.codec_options.items()))
-    return " ".join(parts)
+    return config.describe() if isinstance(config, CodecSpec) else ""
 
 
 def _policy_text(policy: Policy) -> str:
-    """:func:`_codec_text` plus the policy's own options (its constructor's arguments
-    kept as attributes of the same name), e.g. ``"acgc codec=bounded gradient_error=0.05"``."""
+    """:func:`_codec_text` plus the policy's declared options (kept as attributes of the
+    same name), e.g. ``"acgc codec=bounded gradient_error=0.05"``."""
     parts = [policy.name, _codec_text(policy)]
-    for name in inspect.signature(type(policy).__init__).parameters:
+    for name in policy.options:
         value = getattr(policy, name, None)
-        if name not in ("self", "config") and isinstance(value, (bool, int, float, str)):
+        if isinstance(value, (bool, int, float, str)):
             parts.append(f"{name}={value}")
     return " ".join(p for p in parts if p)
 
@@ -162,10 +135,9 @@ class ActivationCompression(Callback):
         policy: a policy name (``"acgc"``, ``"gact"``, ``"division"``, ``"comet"``,
             ``"fixed"``, ``"off"``; see :func:`lightning_acgc.policies.available_policies`)
             or a :class:`~lightning_acgc.policies.Policy` instance. ``None`` (default):
-            ``"acgc"``, or ``"fixed"`` when a codec or codec option is given.
+            ``"acgc"``, or ``"fixed"`` when ``codec`` or an option of fixed's default
+            codec (``bits``, ``group_size``) is given.
             ``"off"`` installs nothing: training is bit-identical to plain Lightning.
-        calibrate_every: steps between calibrations, for a policy given by name whose
-            constructor takes it.
         log_every_n_steps: log the compression numbers every this many steps.
         backend: ``"auto"``, ``"torch"`` or ``"triton"`` for the codecs' kernels.
         min_numel: tensors with fewer elements are kept as they are.
@@ -180,8 +152,11 @@ class ActivationCompression(Callback):
             past it raises an out-of-memory error that the tuner recognizes.
         lr_scaling: ``"linear"``, ``"sqrt"`` or ``None``: how the learning rate follows
             the batch size found by ``scale_batch_size``.
-        **options: the policy's options: codec and codec options for ``"fixed"``
-            (``codec="quant", bits=2``), the error target for calibrating policies.
+        **options: the policy's options, routed by what the policy declares (see
+            :func:`lightning_acgc.policies.build_policy`): codec and codec options for
+            ``"fixed"`` (``codec="quant", bits=2``); the error target,
+            ``calibrate_every`` and the like for calibrating policies. An option the
+            policy does not take is an error naming the policy and its options.
             Without a codec, the default policy uses ``DEFAULT_POLICY_OPTIONS``.
 
     Raises:
@@ -216,7 +191,6 @@ class ActivationCompression(Callback):
         self,
         policy: str | Policy | None = None,
         *,
-        calibrate_every: int = 100,
         log_every_n_steps: int = 1,
         backend: str = "auto",
         min_numel: int = 1024,
@@ -227,14 +201,11 @@ class ActivationCompression(Callback):
         lr_scaling: str | None = None,
         **options: Any,
     ) -> None:
-        _check_int("calibrate_every", calibrate_every, 1)
         _check_int("log_every_n_steps", log_every_n_steps, 1)
         _check_int("min_numel", min_numel, 0)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed={seed!r} must be an int")
-        engine_options = {"backend": backend, "min_numel": min_numel, "seed": seed}
-        self.policy = _build_policy(policy, calibrate_every, engine_options, options)
-        self.calibrate_every = calibrate_every
+        self.policy = _build_policy(policy, backend, options)
         self.log_every_n_steps = log_every_n_steps
         self.min_numel = min_numel
         self.seed = seed

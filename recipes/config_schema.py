@@ -34,7 +34,6 @@ class CompressionSchema:
 
     _target_: str = MISSING
     policy: str = MISSING
-    calibrate_every: int = MISSING
     log_every_n_steps: int = MISSING
     backend: str = MISSING
     min_numel: int = MISSING
@@ -60,6 +59,7 @@ class FixedCompressionSchema(CompressionSchema):
 class ACGCCompressionSchema(CompressionSchema):
     """``policy="acgc"``: per-site error bounds from an allowed relative gradient error."""
 
+    calibrate_every: int = MISSING
     gradient_error: float = MISSING
     verify: bool = MISSING
 
@@ -68,6 +68,7 @@ class ACGCCompressionSchema(CompressionSchema):
 class GACTCompressionSchema(CompressionSchema):
     """``policy="gact"``: per-site bits under an average bit budget."""
 
+    calibrate_every: int = MISSING
     bits: float = MISSING
 
 
@@ -84,6 +85,7 @@ class DivisionCompressionSchema(CompressionSchema):
 class COMETCompressionSchema(CompressionSchema):
     """``policy="comet"``: error-bounded codec with an adaptive bound schedule."""
 
+    calibrate_every: int = MISSING
     relative_bound: float = MISSING
 
 

@@ -12,7 +12,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_acgc.config import CompressionConfig
+from lightning_acgc.codecs import CodecSpec
 from lightning_acgc.policies import FixedPolicy
 
 
@@ -39,7 +39,7 @@ class ProbePolicy(FixedPolicy):
 
     name = "probe"
 
-    def __init__(self, config: CompressionConfig, exact_every: int = 2) -> None:
+    def __init__(self, config: CodecSpec, exact_every: int = 2) -> None:
         super().__init__(config)
         self.exact_every = exact_every
         self.calls: list[tuple[str, Any]] = []

@@ -19,7 +19,7 @@ from lightning_acgc.batch_size import (
     static_memory_bytes,
 )
 from lightning_acgc.callback import ActivationCompression
-from lightning_acgc.config import CompressionConfig
+from lightning_acgc.codecs import CodecSpec
 from lightning_acgc.engine import ActivationCompressor, MemoryBudgetError
 from lightning_acgc.policies import build_policy
 from lightning_acgc.strategy import ACGCStrategy
@@ -148,7 +148,7 @@ def test_binsearch_mode(tmp_path: Path) -> None:
 
 
 def test_search_runs_after_a_calibration_step(tmp_path: Path) -> None:
-    policy = ProbePolicy(CompressionConfig(codec="quant", codec_options={"bits": 2}), 1000)
+    policy = ProbePolicy(CodecSpec("quant", {"bits": 2}), 1000)
     finder = CompressedBatchSizeFinder("power", steps_per_trial=1, compare_uncompressed=False)
     cb = ActivationCompression(
         policy, scale_batch_size=finder, memory_budget=BUDGET, print_table=False

@@ -25,7 +25,7 @@ from lightning_acgc.callback import (
     DEFAULT_POLICY_OPTIONS,
     ActivationCompression,
 )
-from lightning_acgc.config import CompressionConfig
+from lightning_acgc.codecs import CodecSpec
 from lightning_acgc.policies import FixedPolicy, available_policies
 
 
@@ -52,14 +52,14 @@ def test_default_policy_is_one_constant() -> None:
     # Naming a codec or a codec option means that codec everywhere (the fixed policy).
     cb = ActivationCompression(codec="quant", bits=4)
     assert cb.policy.name == CODEC_POLICY == "fixed"
-    assert cb.policy.config.codec_options == {"bits": 4}
+    assert cb.policy.config.options == {"bits": 4}
     fixed = ActivationCompression(policy="fixed")
     options = DEFAULT_POLICY_OPTIONS["fixed"]
     assert fixed.policy.config.codec == options["codec"]
-    assert fixed.policy.config.codec_options == {"bits": options["bits"]}
+    assert fixed.policy.config.options == {"bits": options["bits"]}
     # naming a codec replaces the default options instead of merging with them
-    assert ActivationCompression(codec="identity").policy.config.codec_options == {}
-    assert ActivationCompression(bits=2).policy.config.codec_options == {"bits": 2}
+    assert ActivationCompression(codec="identity").policy.config.options == {}
+    assert ActivationCompression(bits=2).policy.config.options == {"bits": 2}
 
 
 @pytest.mark.parametrize(
@@ -88,7 +88,7 @@ def test_bad_arguments_raise_at_construction(kwargs: dict, match: str) -> None:
 
 
 def test_policy_instance_takes_no_options() -> None:
-    policy = FixedPolicy(CompressionConfig(codec="identity"))
+    policy = FixedPolicy(CodecSpec("identity"))
     assert ActivationCompression(policy).policy is policy
     with pytest.raises(ValueError, match="Policy instance is already configured"):
         ActivationCompression(policy, bits=2)
@@ -139,7 +139,7 @@ def test_gradient_accumulation_and_exact_gradient_leave_no_trace() -> None:
     plain = TinyMLP(dropout=0.3, batchnorm=True)
     fit(plain, **kwargs)
 
-    policy = ProbePolicy(CompressionConfig(codec="identity"), exact_every=2)
+    policy = ProbePolicy(CodecSpec("identity"), exact_every=2)
     cb = ActivationCompression(policy, print_table=False)
     torch.manual_seed(0)
     model = TinyMLP(dropout=0.3, batchnorm=True)
@@ -165,7 +165,7 @@ def test_gradient_accumulation_and_exact_gradient_leave_no_trace() -> None:
 
 
 def test_manual_optimization_skips_the_exact_gradient_with_a_warning() -> None:
-    policy = ProbePolicy(CompressionConfig(codec="identity"), exact_every=1)
+    policy = ProbePolicy(CodecSpec("identity"), exact_every=1)
     cb = ActivationCompression(policy, print_table=False)
     with pytest.warns(UserWarning, match="needs automatic optimization"):
         fit(ManualTwoForward(batch_size=32), [cb], max_steps=2)
@@ -226,7 +226,7 @@ def test_validation_is_not_compressed() -> None:
 
 # -- cleanup -----------------------------------------------------------------------
 def test_nothing_remains_after_an_exception() -> None:
-    policy = ProbePolicy(CompressionConfig(codec="quant", codec_options={"bits": 2}))
+    policy = ProbePolicy(CodecSpec("quant", {"bits": 2}))
     cb = ActivationCompression(policy, print_table=False)
     model = TinyMLP(raise_at_step=2)
     trainer = Trainer(callbacks=[cb], **trainer_kwargs(max_epochs=1))

@@ -8,7 +8,14 @@ from typing import Any
 
 from lightning_acgc.codecs.base import Codec
 
-__all__ = ["available_codecs", "build_codec", "codec_config_class", "register_codec"]
+__all__ = [
+    "available_codecs",
+    "build_codec",
+    "codec_config",
+    "codec_config_class",
+    "codec_option_names",
+    "register_codec",
+]
 
 _CODECS: dict[str, tuple[type, type]] = {}
 
@@ -38,22 +45,34 @@ def codec_config_class(name: str) -> type:
     return _CODECS[name][0]
 
 
+def codec_option_names(name: str) -> tuple[str, ...]:
+    """The options codec ``name`` declares: the fields of its config dataclass."""
+    return tuple(f.name for f in dataclasses.fields(codec_config_class(name)))
+
+
+def codec_config(name: str, options: dict[str, Any] | Any | None = None) -> Any:
+    """The validated config of codec ``name`` from a config instance or a dict of its fields.
+
+    Raises:
+        ValueError: unknown codec, an option the codec does not take or a bad value.
+    """
+    config_cls = codec_config_class(name)
+    if isinstance(options, config_cls):
+        return options
+    options = dict(options or {})
+    allowed = codec_option_names(name)
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"codec {name!r} does not take {unknown}; its options are {sorted(allowed)}"
+        )
+    return config_cls(**options)
+
+
 def build_codec(name: str, options: dict[str, Any] | Any | None = None) -> Codec:
     """Codec ``name`` built from a config instance or a dict of its fields.
 
     Raises:
         ValueError: unknown codec, or an option the codec does not take.
     """
-    config_cls = codec_config_class(name)
-    if isinstance(options, config_cls):
-        config = options
-    else:
-        options = dict(options or {})
-        allowed = {f.name for f in dataclasses.fields(config_cls)}
-        unknown = sorted(set(options) - allowed)
-        if unknown:
-            raise ValueError(
-                f"codec {name!r} does not take {unknown}; its options are {sorted(allowed)}"
-            )
-        config = config_cls(**options)
-    return _CODECS[name][1](config)
+    return _CODECS[name][1](codec_config(name, options))

@@ -58,9 +58,10 @@ def compress_activations(
     elif kwargs:
         raise ValueError(f"give either config or keyword options, not both (got {sorted(kwargs)})")
     if policy is None:
+        from lightning_acgc.codecs.spec import CodecSpec
         from lightning_acgc.policies.fixed import FixedPolicy
 
-        policy = FixedPolicy(config)
+        policy = FixedPolicy(CodecSpec(config.codec, config.codec_options, config.backend))
     engine = ActivationCompressor(
         policy,
         model=model,

@@ -8,9 +8,11 @@ from lightning_acgc.policies.fixed import FixedPolicy
 from lightning_acgc.policies.gact import GACTPolicy
 from lightning_acgc.policies.off import OffPolicy
 from lightning_acgc.policies.registry import (
+    accepted_codecs,
     available_policies,
     build_policy,
     policy_class,
+    policy_option_names,
     register_policy,
 )
 
@@ -30,8 +32,10 @@ __all__ = [
     "OffPolicy",
     "Policy",
     "Reduce",
+    "accepted_codecs",
     "available_policies",
     "build_policy",
     "policy_class",
+    "policy_option_names",
     "register_policy",
 ]

@@ -63,7 +63,7 @@ import torch
 from torch import nn
 
 from lightning_acgc.codecs.base import Codec
-from lightning_acgc.config import CompressionConfig
+from lightning_acgc.codecs.spec import CodecSpec
 from lightning_acgc.engine.meter import SiteRecord
 from lightning_acgc.engine.sites import SiteInfo
 from lightning_acgc.policies._schedule import check_int, round_bound_down
@@ -99,7 +99,7 @@ class ACGCPolicy(CalibratingPolicy):
             calibration and for sites never seen.
         group_size: values per group of the ``bounded`` codec.
         target: fraction of e² the modelled error aims at (room for drift).
-        config: engine settings (backend, min_numel, seed); its codec is ignored.
+        config: the codec (one of ``codecs``) and its backend.
 
     Example:
         >>> policy = ACGCPolicy(gradient_error=0.05, calibrate_every=50)
@@ -108,7 +108,17 @@ class ACGCPolicy(CalibratingPolicy):
     """
 
     name = "acgc"
-    default_codec = "bounded"
+    codecs = ("bounded",)  # what codec= may name; the first is the default
+    options = (
+        "gradient_error",
+        "calibrate_every",
+        "verify",
+        "warmup_steps",
+        "history",
+        "initial_relative_bound",
+        "group_size",
+        "target",
+    )
     initial_kappa = 4.0
     layer_share = 0.5  # part of each layer's e²‖g_W‖² that its weight op's input may use
     max_loosening = 2.0  # largest decrease of κ per reading
@@ -125,7 +135,7 @@ class ACGCPolicy(CalibratingPolicy):
         initial_relative_bound: float = 1e-3,
         group_size: int = 256,
         target: float = 0.35,
-        config: CompressionConfig | None = None,
+        config: CodecSpec | None = None,
     ) -> None:
         if isinstance(gradient_error, bool) or not (
             isinstance(gradient_error, (int, float)) and 0 < gradient_error < 1
@@ -146,7 +156,7 @@ class ACGCPolicy(CalibratingPolicy):
         self.initial_relative_bound = initial_relative_bound
         self.group_size = group_size
         self.target = target
-        self.config = config or CompressionConfig(codec="bounded")
+        self.config = config or CodecSpec("bounded")
         super().__init__()
         self.bounds: dict[str, float] = {}
         self.kappa = self.initial_kappa

@@ -18,12 +18,13 @@ Everything here is plain Python/torch: policies are unit-tested without a Traine
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from lightning_acgc.codecs.base import Codec
+from lightning_acgc.codecs.spec import describe_codec
 from lightning_acgc.engine.sites import SiteInfo
 
 __all__ = ["Policy", "Reduce"]
@@ -33,9 +34,23 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 class Policy:
-    """Base class: no calibration; subclasses override :meth:`codec_for` at least."""
+    """Base class: no calibration; subclasses override :meth:`codec_for` at least.
 
-    name: str = "base"
+    What a subclass declares routes the flat keyword options of
+    :func:`~lightning_acgc.policies.build_policy` (and of ``ActivationCompression``):
+
+    - ``options``: the names of its own constructor options.
+    - ``codecs``: the codecs it accepts as ``codec=`` (the first is its default), ``None``
+      for any registered codec, ``()`` for none; the chosen one reaches the constructor
+      as ``config``, a :class:`~lightning_acgc.codecs.CodecSpec`.
+    - ``takes_codec_options``: the user sets the chosen codec's own options (``bits=2``);
+      otherwise the policy sets them per site and rejects them.
+    """
+
+    name: ClassVar[str] = "base"
+    options: ClassVar[tuple[str, ...]] = ()
+    codecs: ClassVar[tuple[str, ...] | None] = ()
+    takes_codec_options: ClassVar[bool] = False
     engine: Any = None
 
     def attach(self, engine: Any) -> None:
@@ -52,8 +67,6 @@ class Policy:
 
     def describe(self, codec: Codec) -> str:
         """Short text of a codec's settings for tables and logs."""
-        from lightning_acgc.policies.fixed import describe_codec
-
         return describe_codec(codec)
 
     def begin_step(self, step: int) -> None:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_acgc.codecs.base import Codec
-from lightning_acgc.config import CompressionConfig
+from lightning_acgc.codecs.spec import CodecSpec
 from lightning_acgc.policies._schedule import is_calibration_step
 from lightning_acgc.policies.base import Policy, Reduce
 from lightning_acgc.policies.gradient_stats import GradientStats
@@ -23,7 +23,7 @@ class CalibratingPolicy(Policy):
 
     calibrate_every: int
     warmup_steps: int
-    config: CompressionConfig
+    config: CodecSpec
 
     def __init__(self) -> None:
         self.stats = GradientStats()
@@ -36,8 +36,8 @@ class CalibratingPolicy(Policy):
         key = (name, *sorted(options.items()))
         codec = self._codecs.get(key)
         if codec is None:
-            cfg = CompressionConfig(codec=name, codec_options=options, backend=self.config.backend)
-            codec = self._codecs[key] = cfg.build_codec()
+            spec = CodecSpec(name, options, self.config.backend)
+            codec = self._codecs[key] = spec.build()
         return codec
 
     def _bounded_for(self, key: str, bounds: dict[str, float], relative: float) -> Codec:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from lightning_acgc.codecs.base import Codec
-from lightning_acgc.config import CompressionConfig
+from lightning_acgc.codecs.spec import CodecSpec
 from lightning_acgc.engine.sites import SiteInfo
 from lightning_acgc.policies._schedule import check_int, round_bound_down
 from lightning_acgc.policies.base import Reduce
@@ -36,7 +36,7 @@ class CometPolicy(CalibratingPolicy):
         warmup_steps: the first steps of fit all calibrate.
         momentum: weight of the old average when a new range is read (0 to 1).
         group_size: values per group of the ``bounded`` codec.
-        config: engine settings (backend, min_numel, seed); its codec is ignored.
+        config: the codec (one of ``codecs``) and its backend.
 
     Example:
         >>> CometPolicy(relative_bound=0.01).relative_bound
@@ -44,7 +44,14 @@ class CometPolicy(CalibratingPolicy):
     """
 
     name = "comet"
-    default_codec = "bounded"
+    codecs = ("bounded",)  # what codec= may name; the first is the default
+    options = (
+        "relative_bound",
+        "calibrate_every",
+        "warmup_steps",
+        "momentum",
+        "group_size",
+    )
 
     def __init__(
         self,
@@ -53,7 +60,7 @@ class CometPolicy(CalibratingPolicy):
         warmup_steps: int = 3,
         momentum: float = 0.9,
         group_size: int = 256,
-        config: CompressionConfig | None = None,
+        config: CodecSpec | None = None,
     ) -> None:
         if not (isinstance(relative_bound, (int, float)) and 0 < relative_bound < 1):
             raise ValueError(f"relative_bound={relative_bound!r} must be a number in (0, 1)")
@@ -66,7 +73,7 @@ class CometPolicy(CalibratingPolicy):
         self.warmup_steps = warmup_steps
         self.momentum = momentum
         self.group_size = group_size
-        self.config = config or CompressionConfig(codec="bounded")
+        self.config = config or CodecSpec("bounded")
         super().__init__()
         self.ranges: dict[str, float] = {}
         self.bounds: dict[str, float] = {}

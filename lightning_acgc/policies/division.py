@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from lightning_acgc.codecs.base import Codec
-from lightning_acgc.config import CompressionConfig
+from lightning_acgc.codecs.spec import CodecSpec
 from lightning_acgc.engine.sites import SiteInfo
 from lightning_acgc.policies.base import Policy
 
@@ -21,7 +21,7 @@ class DivisionPolicy(Policy):
         residual_bits: bits of the high-frequency residual.
         quant_bits: bits of ``quant`` for tensors of other ranks.
         group_size: values per quantization group.
-        config: engine settings (backend, min_numel, seed); its codec is ignored.
+        config: the codec (one of ``codecs``) and its backend.
 
     Example:
         >>> import torch
@@ -35,7 +35,13 @@ class DivisionPolicy(Policy):
     """
 
     name = "division"
-    default_codec = "division"
+    codecs = ("division",)  # what codec= may name; the first is the default
+    options = (
+        "block",
+        "residual_bits",
+        "quant_bits",
+        "group_size",
+    )
 
     def __init__(
         self,
@@ -43,13 +49,12 @@ class DivisionPolicy(Policy):
         residual_bits: int = 2,
         quant_bits: int = 2,
         group_size: int = 256,
-        config: CompressionConfig | None = None,
+        config: CodecSpec | None = None,
     ) -> None:
-        self.config = config or CompressionConfig(codec="division")
+        self.config = config or CodecSpec("division")
 
         def build(codec: str, options: dict) -> Codec:
-            cfg = CompressionConfig(codec=codec, codec_options=options, backend=self.config.backend)
-            return cfg.build_codec()
+            return CodecSpec(codec, options, self.config.backend).build()
 
         self.division = build(
             "division",

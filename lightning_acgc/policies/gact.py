@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from lightning_acgc.codecs.base import Codec
-from lightning_acgc.config import CompressionConfig
+from lightning_acgc.codecs.spec import CodecSpec
 from lightning_acgc.engine.sites import SiteInfo
 from lightning_acgc.kernels.quant import group_view
 from lightning_acgc.policies._schedule import check_int
@@ -38,7 +38,7 @@ class GACTPolicy(CalibratingPolicy):
         warmup_steps: the first steps of fit all calibrate.
         history: calibrations averaged.
         group_size: values per group of the ``quant`` codec.
-        config: engine settings (backend, min_numel, seed); its codec is ignored.
+        config: the codec (one of ``codecs``) and its backend.
 
     Example:
         >>> GACTPolicy(bits=3).default_bits
@@ -46,7 +46,14 @@ class GACTPolicy(CalibratingPolicy):
     """
 
     name = "gact"
-    default_codec = "quant"
+    codecs = ("quant",)  # what codec= may name; the first is the default
+    options = (
+        "bits",
+        "calibrate_every",
+        "warmup_steps",
+        "history",
+        "group_size",
+    )
 
     def __init__(
         self,
@@ -55,7 +62,7 @@ class GACTPolicy(CalibratingPolicy):
         warmup_steps: int = 1,
         history: int = 3,
         group_size: int = 256,
-        config: CompressionConfig | None = None,
+        config: CodecSpec | None = None,
     ) -> None:
         if isinstance(bits, bool) or not isinstance(bits, (int, float)) or not 1 <= bits <= 8:
             raise ValueError(f"bits={bits!r} must be an average bit budget between 1 and 8")
@@ -67,7 +74,7 @@ class GACTPolicy(CalibratingPolicy):
         self.warmup_steps = warmup_steps
         self.history = history
         self.group_size = group_size
-        self.config = config or CompressionConfig(codec="quant")
+        self.config = config or CodecSpec("quant")
         self.default_bits = max(b for b in LADDER if b <= self.bits)
         super().__init__()
         self.site_bits: dict[str, int] = {}

@@ -16,8 +16,5 @@ class OffPolicy(Policy):
 
     name = "off"
 
-    def __init__(self, config: object = None) -> None:
-        self.config = config
-
     def codec_for(self, site: SiteInfo, x: torch.Tensor) -> Codec | None:
         return None

@@ -1,15 +1,22 @@
-"""Policy registry: ``policy="fixed" | "off" | ...`` picks a class by name."""
+"""Policy registry: ``policy="fixed" | "off" | ...`` picks a class by name, and the one
+place where flat keyword options are routed, by what each policy and codec declares."""
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 from typing import Any
 
-from lightning_acgc.config import CompressionConfig
+from lightning_acgc.codecs.registry import available_codecs, codec_config_class, codec_option_names
+from lightning_acgc.codecs.spec import CodecSpec
 from lightning_acgc.policies.base import Policy
 
-__all__ = ["available_policies", "build_policy", "policy_class", "register_policy"]
+__all__ = [
+    "accepted_codecs",
+    "available_policies",
+    "build_policy",
+    "policy_class",
+    "policy_option_names",
+    "register_policy",
+]
 
 _POLICIES: dict[str, type[Policy]] = {}
 
@@ -29,29 +36,70 @@ def policy_class(name: str) -> type[Policy]:
     return _POLICIES[name]
 
 
-def build_policy(name: str, **options: Any) -> Policy:
-    """Policy ``name`` from flat options.
+def accepted_codecs(cls: type[Policy]) -> list[str]:
+    """The codecs policy ``cls`` accepts as ``codec=`` (its default first)."""
+    return available_codecs() if cls.codecs is None else list(cls.codecs)
 
-    Options the policy's constructor names are passed to it; the rest form its
-    :class:`CompressionConfig` (engine fields and codec options), passed as ``config``.
+
+def policy_option_names(cls: type[Policy], codec: str | None = None) -> list[str]:
+    """Every flat option policy ``cls`` takes: its own, ``codec`` if it takes one, and the
+    options of ``codec`` (default: its default codec) if the user sets those."""
+    names = set(cls.options)
+    if cls.codecs != ():
+        names.add("codec")
+        if cls.takes_codec_options:
+            names.update(codec_option_names(codec or accepted_codecs(cls)[0]))
+    return sorted(names)
+
+
+def build_policy(name: str, *, backend: str = "auto", **options: Any) -> Policy:
+    """Policy ``name`` from flat options, routed by what the policy and codec declare.
+
+    The policy's own ``options`` go to its constructor; ``codec`` (one of its
+    ``codecs``) and, for a policy that ``takes_codec_options``, that codec's options form
+    the :class:`~lightning_acgc.codecs.CodecSpec` passed as ``config``.
 
     Raises:
-        ValueError: unknown policy or a bad option.
+        ValueError: unknown policy, a codec the policy does not accept, an option
+            neither the policy nor (where it takes them) its codec declares, or a bad
+            value; the message names the policy and what it accepts.
 
     Example:
         >>> build_policy("fixed", codec="quant", bits=4).codec.config.bits
         4
+        >>> build_policy("acgc", codec="division")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: policy 'acgc' chooses its own codec settings and takes codec in [...], not ...'
+        >>> build_policy("off", bits=2)
+        Traceback (most recent call last):
+        ...
+        ValueError: policy 'off' does not take ['bits']; its options are []
     """
     cls = policy_class(name)
-    params = inspect.signature(cls.__init__).parameters
-    own = {k: options.pop(k) for k in list(options) if k in params and k != "config"}
-    if "config" in params:
-        config_fields = {f.name for f in dataclasses.fields(CompressionConfig)}
-        if "codec" not in options and getattr(cls, "default_codec", None):
-            options["codec"] = cls.default_codec
-        own["config"] = CompressionConfig.from_kwargs(
-            **{k: v for k, v in options.items() if k in config_fields or k not in params}
+    own = {k: options.pop(k) for k in list(options) if k in cls.options}
+    if cls.codecs == ():
+        if options:
+            raise ValueError(
+                f"policy {name!r} does not take {sorted(options)}; "
+                f"its options are {policy_option_names(cls)}"
+            )
+        return cls(**own)
+    accepted = accepted_codecs(cls)
+    codec = options.pop("codec", accepted[0])
+    if codec not in accepted:
+        if cls.codecs is None:
+            codec_config_class(codec)  # unknown codec: the codec registry's message
+        raise ValueError(
+            f"policy {name!r} chooses its own codec settings and takes codec in {accepted}, "
+            f"not codec={codec!r}"
         )
-    elif options:
-        raise ValueError(f"policy {name!r} does not take {sorted(options)}")
+    unknown = sorted(set(options) - set(policy_option_names(cls, codec)))
+    if unknown:
+        with_codec = f" with codec {codec!r}" if cls.takes_codec_options else ""
+        raise ValueError(
+            f"policy {name!r}{with_codec} does not take {unknown}; "
+            f"its options are {policy_option_names(cls, codec)}"
+        )
+    own["config"] = CodecSpec(codec, options, backend)
     return cls(**own)
