@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from lightning_acgc import ActivationCompressor, build_policy, compressed_step
+from lightning_acgc import ActivationCompressor, EngineSettings, build_policy, compressed_step
 from lightning_acgc.engine.meter import CompressionStats
 from lightning_acgc.policies import OffPolicy, Policy
 
@@ -258,7 +258,9 @@ def count_saved(recipe: Recipe, module: nn.Module, blocks: Sequence[str] = ()) -
     the meter did not count it already).
     """
     policy = _Recording()
-    engine = ActivationCompressor(policy, model=module, min_numel=0, compress_masks=False)
+    engine = ActivationCompressor(
+        policy, model=module, settings=EngineSettings(min_numel=0, compress_masks=False)
+    )
     inputs: dict[int, int] = {}
     handles = []
 

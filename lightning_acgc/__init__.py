@@ -1,13 +1,13 @@
 """lightning_acgc: activation-compressed training for PyTorch and PyTorch Lightning."""
 
+from lightning_acgc.api import compress_activations
 from lightning_acgc.batch_size import CompressedBatchSizeFinder
 from lightning_acgc.callback import ActivationCompression
-from lightning_acgc.codecs import Packed, available_codecs, build_codec
-from lightning_acgc.config import CompressionConfig
+from lightning_acgc.codecs import CodecSpec, Packed, available_codecs, build_codec
 from lightning_acgc.engine import (
     ActivationCompressor,
     CompressionStats,
-    compress_activations,
+    EngineSettings,
     compressed_step,
 )
 from lightning_acgc.policies import available_policies, build_policy
@@ -19,9 +19,10 @@ __all__ = [
     "ACGCStrategy",
     "ActivationCompression",
     "ActivationCompressor",
+    "CodecSpec",
     "CompressedBatchSizeFinder",
-    "CompressionConfig",
     "CompressionStats",
+    "EngineSettings",
     "Packed",
     "available_codecs",
     "available_policies",

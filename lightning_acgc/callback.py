@@ -38,6 +38,7 @@ the optimizer step and other callbacks, and not at all during tuner trials.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import zlib
 from typing import Any
@@ -66,6 +67,7 @@ from lightning_acgc.batch_size import CompressedBatchSizeFinder, parse_memory, s
 from lightning_acgc.codecs import CodecSpec, codec_option_names
 from lightning_acgc.engine.compressor import ActivationCompressor
 from lightning_acgc.engine.meter import CompressionStats
+from lightning_acgc.engine.settings import EngineSettings
 from lightning_acgc.policies import OffPolicy, Policy, build_policy
 
 __all__ = ["CODEC_POLICY", "DEFAULT_POLICY", "DEFAULT_POLICY_OPTIONS", "ActivationCompression"]
@@ -142,6 +144,8 @@ class ActivationCompression(Callback):
         backend: ``"auto"``, ``"torch"`` or ``"triton"`` for the codecs' kernels.
         min_numel: tensors with fewer elements are kept as they are.
         seed: base seed of the codecs' random numbers (never the global RNG).
+        compress_masks: bool tensors (dropout masks) go to the lossless ``mask`` codec.
+        strict: re-raise codec errors instead of keeping the tensor uncompressed.
         print_table: print the per-site table at fit end (rank zero).
         scale_batch_size: ``"power"``, ``"binsearch"``, a
             :class:`~lightning_acgc.batch_size.CompressedBatchSizeFinder`, or ``None``:
@@ -195,6 +199,8 @@ class ActivationCompression(Callback):
         backend: str = "auto",
         min_numel: int = 1024,
         seed: int = 0,
+        compress_masks: bool = True,
+        strict: bool = False,
         print_table: bool = True,
         scale_batch_size: str | CompressedBatchSizeFinder | None = None,
         memory_budget: int | str | None = None,
@@ -202,13 +208,9 @@ class ActivationCompression(Callback):
         **options: Any,
     ) -> None:
         _check_int("log_every_n_steps", log_every_n_steps, 1)
-        _check_int("min_numel", min_numel, 0)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed={seed!r} must be an int")
+        self.settings = EngineSettings(min_numel, seed, bool(compress_masks), bool(strict))
         self.policy = _build_policy(policy, backend, options)
         self.log_every_n_steps = log_every_n_steps
-        self.min_numel = min_numel
-        self.seed = seed
         self.print_table = bool(print_table)
         self.memory_budget = parse_memory(memory_budget)
         self.batch_size_finder = self._make_finder(scale_batch_size, lr_scaling)
@@ -343,17 +345,13 @@ class ActivationCompression(Callback):
             self._search(trainer, pl_module)
 
     def _start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        config = getattr(self.policy, "config", None)
         budget_base = 0
         if self.memory_budget is not None:
             budget_base = static_memory_bytes(pl_module, trainer.optimizers)
         engine = ActivationCompressor(
             self.policy,
             model=pl_module,
-            min_numel=self.min_numel,
-            seed=self.seed,
-            compress_masks=getattr(config, "compress_masks", True),
-            strict=getattr(config, "strict", False),
+            settings=self.settings,
             memory_budget=self.memory_budget,
             budget_base=budget_base,
         )
@@ -591,7 +589,7 @@ class ActivationCompression(Callback):
         return {
             "policy_name": self.policy.name,
             "policy": self.policy.state_dict(),
-            "seed": self.seed,
+            "seed": self.settings.seed,
             "step": step,
         }
 
@@ -607,12 +605,13 @@ class ActivationCompression(Callback):
             )
         else:
             self.policy.load_state_dict(state_dict.get("policy", {}))
-        seed = state_dict.get("seed", self.seed)
-        if seed != self.seed:
+        seed = state_dict.get("seed", self.settings.seed)
+        if seed != self.settings.seed:
             rank_zero_info(
-                f"lightning_acgc: continuing with the checkpoint's seed {seed} (not {self.seed})"
+                "lightning_acgc: continuing with the checkpoint's seed "
+                f"{seed} (not {self.settings.seed})"
             )
-            self.seed = seed
+            self.settings = dataclasses.replace(self.settings, seed=seed)
             if self.engine is not None:
                 self.engine.seed = seed
         step = int(state_dict.get("step", 0))

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_acgc import CompressionConfig, compress_activations
+from lightning_acgc import CodecSpec, EngineSettings, compress_activations
 from lightning_acgc.engine import MemoryBudgetError
 from tests._models import ResidualCNN, TransformerBlock, loss_of
 
@@ -210,8 +210,11 @@ def test_failing_codec_keeps_tensor_and_warns_unless_strict() -> None:
             (x * 1.0).sin().sum().backward()
     assert torch.allclose(x.grad, x.detach().cos())
     assert stats.tensors_kept == 1 and any("codec bug" in str(w.message) for w in caught)
-    cfg = CompressionConfig(strict=True)
-    with pytest.raises(RuntimeError, match="codec bug"), compress_activations(cfg, policy=Broken()):
+    strict = EngineSettings(strict=True)
+    with (
+        pytest.raises(RuntimeError, match="codec bug"),
+        compress_activations(policy=Broken(), settings=strict),
+    ):
         (x * 1.0).sin()
 
 
@@ -229,7 +232,10 @@ def test_failing_codec_keeps_tensor_and_warns_unless_strict() -> None:
 )
 def test_bad_arguments_raise_before_anything_runs(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        CompressionConfig.from_kwargs(**kwargs)
+        engine = {k: kwargs[k] for k in ("min_numel",) if k in kwargs}
+        EngineSettings(**engine)
+        codec = {k: v for k, v in kwargs.items() if k not in ("codec", "backend", *engine)}
+        CodecSpec(kwargs["codec"], codec, kwargs.get("backend", "auto"))
     ran = []
     with pytest.raises(ValueError, match=match), compress_activations(**kwargs):
         ran.append(1)

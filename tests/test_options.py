@@ -113,3 +113,13 @@ def test_a_policy_may_accept_several_codecs(monkeypatch: pytest.MonkeyPatch) -> 
     assert build_policy("comet", codec="quant").config.codec == "quant"
     with pytest.raises(ValueError, match=r"takes codec in \['bounded', 'quant'\]"):
         build_policy("comet", codec="division")
+
+
+def test_engine_settings_do_not_travel_through_the_policy() -> None:
+    from lightning_acgc import CodecSpec, EngineSettings
+
+    cb = ActivationCompression(policy="acgc", min_numel=7, strict=True, compress_masks=False)
+    assert cb.settings == EngineSettings(min_numel=7, seed=0, compress_masks=False, strict=True)
+    assert cb.policy.config == CodecSpec("bounded")
+    with pytest.raises(ValueError, match="min_numel=-1"):
+        ActivationCompression(policy="off", min_numel=-1)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_acgc.engine import ActivationCompressor, compressed_step
+from lightning_acgc.engine import ActivationCompressor, EngineSettings, compressed_step
 from lightning_acgc.engine.meter import SiteRecord
 from lightning_acgc.policies import available_policies, build_policy
 from lightning_acgc.policies.bit_allocation import allocate_bits
@@ -106,7 +106,7 @@ class TwoBranch(nn.Module):
 
 def _train(model, policy_name, steps, make_batch, lr=0.05, **options):
     policy = build_policy(policy_name, **options)
-    engine = ActivationCompressor(policy, model=model, min_numel=256)
+    engine = ActivationCompressor(policy, model=model, settings=EngineSettings(min_numel=256))
     engine.install()
     policy.setup(model)
     opt = torch.optim.SGD(model.parameters(), lr=lr)

@@ -15,6 +15,7 @@ from torch import nn
 from lightning_acgc.codecs.base import Codec, Packed, span_nbytes
 from lightning_acgc.codecs.mask import MaskCodec, MaskConfig
 from lightning_acgc.engine.meter import CompressionStats, SiteRecord
+from lightning_acgc.engine.settings import EngineSettings
 from lightning_acgc.engine.sites import ModuleTracker, SiteInfo, is_leaf_parameter
 
 __all__ = ["OOM_MESSAGE", "ActivationCompressor", "MemoryBudgetError"]
@@ -81,10 +82,8 @@ class ActivationCompressor:
         policy: chooses each site's codec (see :class:`lightning_acgc.policies.Policy`).
         model: the model whose modules name the sites; ``None`` names them by type and
             order of appearance (any module run by this thread).
-        min_numel: tensors with fewer elements are kept as they are.
-        seed: base of the per-step, per-site seeds kept with the packed data.
-        compress_masks: bool tensors go to the lossless 1-bit ``mask`` codec.
-        strict: re-raise codec errors instead of keeping the tensor uncompressed.
+        settings: ``min_numel``, ``seed``, ``compress_masks``, ``strict`` (see
+            :class:`EngineSettings`; default: its defaults).
         keep_packed: keep every :class:`Packed` of the step in ``packed_log`` (tests).
         memory_budget: bytes; packing a tensor that would take the live saved bytes
             plus ``budget_base`` past it raises :class:`MemoryBudgetError`.
@@ -97,10 +96,7 @@ class ActivationCompressor:
         policy: Any,
         *,
         model: nn.Module | None = None,
-        min_numel: int = 1024,
-        seed: int = 0,
-        compress_masks: bool = True,
-        strict: bool = False,
+        settings: EngineSettings | None = None,
         keep_packed: bool = False,
         memory_budget: int | None = None,
         budget_base: int = 0,
@@ -108,10 +104,11 @@ class ActivationCompressor:
         self.policy = policy
         self.tracker = ModuleTracker(model)
         self.stats = CompressionStats()
-        self.min_numel = min_numel
-        self.seed = seed
-        self.compress_masks = compress_masks
-        self.strict = strict
+        settings = settings or EngineSettings()
+        self.min_numel = settings.min_numel
+        self.seed = settings.seed
+        self.compress_masks = settings.compress_masks
+        self.strict = settings.strict
         self.memory_budget = memory_budget
         self.budget_base = budget_base
         self.packed_log: list[Packed] | None = [] if keep_packed else None

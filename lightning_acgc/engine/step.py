@@ -68,10 +68,11 @@ def compressed_step(
         reduce: averages a tensor over data-parallel ranks.
 
     Example:
+        >>> from lightning_acgc.engine.settings import EngineSettings
         >>> from lightning_acgc.policies import build_policy
         >>> model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
         >>> policy = build_policy("acgc", gradient_error=0.05)
-        >>> engine = ActivationCompressor(policy, model=model, min_numel=0)
+        >>> engine = ActivationCompressor(policy, model=model, settings=EngineSettings(min_numel=0))
         >>> engine.install(); policy.setup(model)
         >>> x = torch.randn(64, 32)
         >>> loss = compressed_step(engine, model, lambda: model(x).square().mean(), step=0)
