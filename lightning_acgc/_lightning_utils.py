@@ -19,18 +19,18 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
 from lightning_acgc.engine.compressor import ActivationCompressor
-from lightning_acgc.engine.step import no_side_effects
+from lightning_acgc.engine.cycle import no_side_effects
 
 __all__ = [
     "CompressionScopeMixin",
     "StepScope",
     "TrainingStepPatch",
     "call_training_step",
-    "exact_gradients",
     "first_train_batch",
     "make_reduce",
-    "mean_over_ranks",
+    "no_logging",
     "offline",
+    "step_loss",
     "training_loss",
 ]
 
@@ -127,14 +127,8 @@ class TrainingStepPatch:
 
 # -- running training_step outside the loop ---------------------------------------
 @contextlib.contextmanager
-def offline(pl_module: LightningModule) -> Iterator[None]:
-    """Undo the side effects of an extra ``training_step`` call: the RNG states are
-    restored (dropout draws the same masks again), buffers (BatchNorm running
-    statistics) are restored, and ``self.log``/``self.log_dict`` do nothing meanwhile.
-
-    Other side effects of the user's ``training_step`` (metric objects updated, counters)
-    do happen twice.
-    """
+def no_logging(pl_module: LightningModule) -> Iterator[None]:
+    """``self.log``/``self.log_dict`` do nothing meanwhile (an extra ``training_step``)."""
     previous = {name: pl_module.__dict__.get(name, _MISSING) for name in ("log", "log_dict")}
 
     def _no_log(*args: Any, **kwargs: Any) -> None:
@@ -143,14 +137,23 @@ def offline(pl_module: LightningModule) -> Iterator[None]:
     pl_module.__dict__["log"] = _no_log
     pl_module.__dict__["log_dict"] = _no_log
     try:
-        with no_side_effects(pl_module):
-            yield
+        yield
     finally:
         for name, value in previous.items():
             if value is _MISSING:
                 pl_module.__dict__.pop(name, None)
             else:
                 pl_module.__dict__[name] = value
+
+
+@contextlib.contextmanager
+def offline(pl_module: LightningModule) -> Iterator[None]:
+    """Undo the side effects of an extra ``training_step`` call: the RNG states and
+    buffers are restored (:func:`~lightning_acgc.engine.no_side_effects`) and logging is
+    off (:func:`no_logging`). Other side effects of the user's ``training_step`` (metric
+    objects updated, counters) do happen twice."""
+    with no_logging(pl_module), no_side_effects(pl_module):
+        yield
 
 
 def call_training_step(
@@ -175,33 +178,17 @@ def training_loss(output: Any) -> torch.Tensor | None:
     return None
 
 
-def exact_gradients(
-    trainer: Trainer,
-    pl_module: LightningModule,
-    engine: ActivationCompressor,
-    batch: Any,
-    batch_idx: int,
-    scale: float = 1.0,
-) -> dict[str, torch.Tensor] | None:
-    """Uncompressed gradient of ``scale * loss`` by parameter name, ``.grad`` untouched.
+def step_loss(
+    trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+) -> Callable[[], torch.Tensor | None]:
+    """The loss of ``training_step`` on ``batch`` as a function, logging off, for
+    :meth:`~lightning_acgc.engine.CalibrationCycle.add_exact_gradient`."""
 
-    Runs ``training_step`` once more with the engine paused and without side effects
-    (:func:`offline`); ``None`` when the step returns no differentiable loss.
-    """
-    named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
-    if not named:
-        return None
-    with offline(pl_module), engine.paused():
-        loss = training_loss(call_training_step(trainer, pl_module, batch, batch_idx))
-        if loss is None or not loss.requires_grad:
-            return None
-        grads = torch.autograd.grad(
-            loss * scale if scale != 1.0 else loss, [p for _, p in named], allow_unused=True
-        )
-    return {
-        n: (g.detach() if g is not None else torch.zeros_like(p))
-        for (n, p), g in zip(named, grads, strict=True)
-    }
+    def compute_loss() -> torch.Tensor | None:
+        with no_logging(pl_module):
+            return training_loss(call_training_step(trainer, pl_module, batch, batch_idx))
+
+    return compute_loss
 
 
 def make_reduce(trainer: Trainer) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -210,24 +197,6 @@ def make_reduce(trainer: Trainer) -> Callable[[torch.Tensor], torch.Tensor]:
     if trainer.world_size <= 1:
         return lambda t: t
     return lambda t: strategy.reduce(t.detach().clone(), reduce_op="mean")
-
-
-def mean_over_ranks(
-    grads: dict[str, torch.Tensor], reduce: Callable[[torch.Tensor], torch.Tensor], world_size: int
-) -> dict[str, torch.Tensor]:
-    """``grads`` averaged over ranks in one collective (flattened and split again)."""
-    if world_size <= 1 or not grads:
-        return grads
-    names = list(grads)
-    flat = torch.cat([grads[n].reshape(-1).float() for n in names])
-    flat = reduce(flat)
-    out: dict[str, torch.Tensor] = {}
-    offset = 0
-    for n in names:
-        g = grads[n]
-        out[n] = flat[offset : offset + g.numel()].view_as(g).to(g.dtype)
-        offset += g.numel()
-    return out
 
 
 def first_train_batch(trainer: Trainer, pl_module: LightningModule) -> Any:

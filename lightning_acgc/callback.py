@@ -39,7 +39,6 @@ the optimizer step and other callbacks, and not at all during tuner trials.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import zlib
 from typing import Any
 
@@ -56,16 +55,16 @@ from lightning_acgc._lightning_utils import (
     StepScope,
     TrainingStepPatch,
     call_training_step,
-    exact_gradients,
     first_train_batch,
     make_reduce,
-    mean_over_ranks,
     offline,
+    step_loss,
     training_loss,
 )
 from lightning_acgc.batch_size import CompressedBatchSizeFinder, parse_memory, static_memory_bytes
 from lightning_acgc.codecs import CodecSpec, codec_option_names
 from lightning_acgc.engine.compressor import ActivationCompressor
+from lightning_acgc.engine.cycle import CalibrationCycle
 from lightning_acgc.engine.meter import CompressionStats
 from lightning_acgc.engine.settings import EngineSettings
 from lightning_acgc.policies import OffPolicy, Policy, build_policy
@@ -220,12 +219,9 @@ class ActivationCompression(Callback):
         self._patch: TrainingStepPatch | None = None
         self._strategy: CompressionScopeMixin | None = None
         self._active = False
+        self._cycle: CalibrationCycle | None = None
         self._loaded_step: int | None = None
         self._last_step = 0
-        self._begun: int | None = None
-        self._ended: int | None = None
-        self._exact_wanted = False
-        self._exact: dict[str, torch.Tensor] | None = None
         self._ranks_checked = False
         self._search_logged = False
         self._warned: set[str] = set()
@@ -369,8 +365,7 @@ class ActivationCompression(Callback):
             engine.remove()
             raise
         self.engine, self._scope, self._active = engine, scope, True
-        self._begun = self._ended = None
-        self._exact, self._exact_wanted = None, False
+        self._cycle = CalibrationCycle(engine, make_reduce(trainer), trainer.world_size)
         self._ranks_checked = self._search_logged = False
 
     def _stop(self) -> None:
@@ -388,7 +383,7 @@ class ActivationCompression(Callback):
             if self._scope is not None:
                 self._last_step = self._scope.step
             self._loaded_step = None
-            self._exact = None
+            self._cycle = None
             self.policy.teardown()
 
     @override
@@ -416,16 +411,20 @@ class ActivationCompression(Callback):
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if not self._active:
+        if not self._active or self._cycle is None:
             return
-        step = trainer.global_step
-        if step != self._begun:
-            self._begun = step
-            self._exact = None
-            self.policy.begin_step(step)
-            self._exact_wanted = bool(self.policy.needs_exact_gradient(step))
-        if self._exact_wanted:
-            self._add_exact_gradient(trainer, pl_module, batch, batch_idx)
+        if not self._cycle.begin(trainer.global_step):
+            return
+        if batch is None or not self._exact_supported(trainer, pl_module):
+            return
+        # Handed over before the forward, as the policy protocol says; with gradient
+        # accumulation, before the forward of the step's last batch, with the whole sum.
+        self._cycle.add_exact_gradient(
+            pl_module,
+            step_loss(trainer, pl_module, batch, batch_idx),
+            scale=1.0 / trainer.accumulate_grad_batches,
+            last=not _accumulating(trainer),
+        )
 
     def _exact_supported(self, trainer: Trainer, pl_module: LightningModule) -> bool:
         if not pl_module.automatic_optimization:
@@ -444,48 +443,14 @@ class ActivationCompression(Callback):
             return False
         return True
 
-    def _add_exact_gradient(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if batch is None or not self._exact_supported(trainer, pl_module):
-            return
-        assert self.engine is not None
-        scale = 1.0 / trainer.accumulate_grad_batches
-        grads = exact_gradients(trainer, pl_module, self.engine, batch, batch_idx, scale)
-        if grads is None:
-            return
-        if self._exact is None:
-            self._exact = grads
-        else:
-            for name, grad in grads.items():
-                self._exact[name] = self._exact[name] + grad
-        # Handed over before the forward, as the policy protocol says; with gradient
-        # accumulation, before the forward of the step's last batch, with the whole sum.
-        if not _accumulating(trainer):
-            self._hand_exact_gradients(trainer, self._exact)
-            self._exact = None
-
-    def _hand_exact_gradients(self, trainer: Trainer, grads: dict[str, torch.Tensor]) -> None:
-        """``policy.set_exact_gradients`` with the gradient averaged over ranks (and the
-        ``reduce`` function too, for policies that take it)."""
-        reduce = make_reduce(trainer)
-        grads = mean_over_ranks(grads, reduce, trainer.world_size)
-        if "reduce" in inspect.signature(self.policy.set_exact_gradients).parameters:
-            self.policy.set_exact_gradients(grads, reduce=reduce)  # type: ignore[call-arg]
-        else:
-            self.policy.set_exact_gradients(grads)
-
     @override
     def on_before_optimizer_step(
         self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        if not self._active or self._begun is None or self._ended == self._begun:
+        cycle = self._cycle
+        if not self._active or cycle is None or not cycle.end(pl_module):
             return
-        step = self._begun
-        self._exact = None
-        self.policy.end_step(step, pl_module, make_reduce(trainer))
-        self._ended = step
-        if trainer.world_size > 1 and (self._exact_wanted or not self._ranks_checked):
+        if trainer.world_size > 1 and (cycle.wants_exact or not self._ranks_checked):
             self._check_ranks_agree(trainer, pl_module)
 
     def _check_ranks_agree(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -508,9 +473,10 @@ class ActivationCompression(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        if not self._active or self.engine is None:
+        if not self._active or self.engine is None or self._cycle is None:
             return
-        step = self._begun if self._begun is not None else trainer.global_step
+        cycle = self._cycle
+        step = cycle.step if cycle.step is not None else trainer.global_step
         if step % self.log_every_n_steps:
             return
         stats = self.engine.stats
@@ -518,7 +484,7 @@ class ActivationCompression(Callback):
         pl_module.log("acgc/ratio", stats.ratio, prog_bar=True, **log)
         pl_module.log("acgc/saved_mb", stats.saved_bytes / 2**20, **log)
         pl_module.log("acgc/packed_mb", stats.packed_bytes / 2**20, **log)
-        if self._ended == step:
+        if cycle.ended == step:
             for key, value in self.policy.metrics().items():
                 pl_module.log(f"acgc/{key}", float(value), **log)
         if not self._search_logged and self.batch_size_finder is not None:
@@ -544,18 +510,14 @@ class ActivationCompression(Callback):
     def _calibration_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """One calibration step on the first batch, with no optimizer step and no trace:
         RNG, buffers and gradients are restored, the step counter too."""
-        assert self.engine is not None and self._scope is not None
-        engine, scope = self.engine, self._scope
+        assert self.engine is not None and self._scope is not None and self._cycle is not None
+        engine, scope, cycle = self.engine, self._scope, self._cycle
         batch = first_train_batch(trainer, pl_module)
-        step, scope_step, budget = trainer.global_step, scope.step, engine.memory_budget
-        reduce = make_reduce(trainer)
+        scope_step, budget = scope.step, engine.memory_budget
         engine.memory_budget = None  # the search, not this step, finds what fits
         try:
-            self.policy.begin_step(step)
-            if self.policy.needs_exact_gradient(step) and self._exact_supported(trainer, pl_module):
-                exact = exact_gradients(trainer, pl_module, engine, batch, 0)
-                if exact is not None:
-                    self._hand_exact_gradients(trainer, exact)
+            if cycle.begin(trainer.global_step) and self._exact_supported(trainer, pl_module):
+                cycle.add_exact_gradient(pl_module, step_loss(trainer, pl_module, batch, 0))
             named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
             with offline(pl_module):
                 output = scope.run(call_training_step, trainer, pl_module, batch, 0)
@@ -567,13 +529,14 @@ class ActivationCompression(Callback):
             try:
                 for (_, p), grad in zip(named, grads, strict=True):
                     p.grad = grad
-                self.policy.end_step(step, pl_module, reduce)
+                cycle.end(pl_module)
             finally:
                 for (_, p), grad in zip(named, previous, strict=True):
                     p.grad = grad
         finally:
             engine.memory_budget = budget
             scope.step = scope_step
+            cycle.reset()  # the fit's first step calibrates afresh
 
     # -- checkpointing -------------------------------------------------------------
     @override

@@ -56,7 +56,7 @@ class ProbePolicy(FixedPolicy):
     def needs_exact_gradient(self, step: int) -> bool:
         return step % self.exact_every == 0
 
-    def set_exact_gradients(self, grads: dict[str, torch.Tensor]) -> None:
+    def set_exact_gradients(self, grads: dict[str, torch.Tensor], reduce: Any = None) -> None:
         self.calls.append(("exact", len(grads)))
         self.exact = {k: g.clone() for k, g in grads.items()}
 

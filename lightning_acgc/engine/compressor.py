@@ -15,6 +15,7 @@ from torch import nn
 from lightning_acgc.codecs.base import Codec, Packed, span_nbytes
 from lightning_acgc.codecs.mask import MaskCodec, MaskConfig
 from lightning_acgc.engine.meter import CompressionStats, SiteRecord
+from lightning_acgc.engine.policy import Policy
 from lightning_acgc.engine.settings import EngineSettings
 from lightning_acgc.engine.sites import ModuleTracker, SiteInfo, is_leaf_parameter
 
@@ -93,7 +94,7 @@ class ActivationCompressor:
 
     def __init__(
         self,
-        policy: Any,
+        policy: Policy,
         *,
         model: nn.Module | None = None,
         settings: EngineSettings | None = None,
@@ -121,7 +122,7 @@ class ActivationCompressor:
         self._warned: set[str] = set()
         self._paused = 0
         self._installed = False
-        attach = getattr(policy, "attach", None)
+        attach = getattr(policy, "attach", None)  # optional: a bare codec chooser needs none
         if attach is not None:
             attach(self)
 

@@ -1,54 +1,17 @@
-"""One compressed training step with the policy's calibration cycle, for plain PyTorch.
-
-The Lightning adapter follows the same sequence; this function is what plain-PyTorch
-users, tests and benchmarks call.
-"""
+"""One compressed training step with the policy's calibration cycle, for plain PyTorch."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from lightning_acgc.engine.compressor import ActivationCompressor
+from lightning_acgc.engine.cycle import CalibrationCycle, no_reduce
+from lightning_acgc.engine.policy import Reduce
 
-__all__ = ["compressed_step", "exact_gradients", "no_side_effects"]
-
-
-def _no_reduce(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-@contextlib.contextmanager
-def no_side_effects(model: nn.Module) -> Iterator[None]:
-    """Undo what an extra forward of ``model`` changes: the random states of the CPU and
-    of the CUDA devices holding parameters are restored (dropout draws the same masks
-    again) and so are the buffers (BatchNorm running statistics)."""
-    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    buffers = [(b, b.detach().clone()) for b in model.buffers() if b.device.type != "meta"]
-    try:
-        with torch.random.fork_rng(devices=devices, device_type="cuda"):
-            yield
-    finally:
-        with torch.no_grad():
-            for buf, saved in buffers:
-                buf.copy_(saved)
-
-
-def exact_gradients(
-    engine: ActivationCompressor, model: nn.Module, compute_loss: Callable[[], torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """The uncompressed gradient of ``compute_loss()`` by parameter name, leaving no trace:
-    ``.grad`` untouched, random state and buffers restored (:func:`no_side_effects`), so
-    the compressed pass that follows sees the same dropout masks and statistics."""
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    with no_side_effects(model), engine.paused():
-        loss = compute_loss()
-        grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
-    return {n: g for (n, _), g in zip(params, grads, strict=True) if g is not None}
+__all__ = ["compressed_step"]
 
 
 def compressed_step(
@@ -56,7 +19,7 @@ def compressed_step(
     model: nn.Module,
     compute_loss: Callable[[], torch.Tensor],
     step: int,
-    reduce: Callable[[torch.Tensor], torch.Tensor] = _no_reduce,
+    reduce: Reduce = no_reduce,
 ) -> torch.Tensor:
     """Forward and backward of one step under compression; the optimizer step is yours.
 
@@ -80,13 +43,12 @@ def compressed_step(
         True
         >>> engine.remove()
     """
-    policy: Any = engine.policy
+    cycle = CalibrationCycle(engine, reduce)
     engine.new_step(step)
-    policy.begin_step(step)
-    if policy.needs_exact_gradient(step):
-        policy.set_exact_gradients(exact_gradients(engine, model, compute_loss))
+    if cycle.begin(step):
+        cycle.add_exact_gradient(model, compute_loss)
     with engine.scope():
         loss = compute_loss()
     loss.backward()
-    policy.end_step(step, model, reduce)
+    cycle.end(model)
     return loss

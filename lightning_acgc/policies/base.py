@@ -17,20 +17,20 @@ Everything here is plain Python/torch: policies are unit-tested without a Traine
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
 from lightning_acgc.codecs.base import Codec
 from lightning_acgc.codecs.spec import describe_codec
+from lightning_acgc.engine.policy import Reduce
 from lightning_acgc.engine.sites import SiteInfo
 
-__all__ = ["Policy", "Reduce"]
+if TYPE_CHECKING:
+    from lightning_acgc.engine.compressor import ActivationCompressor
 
-# Averages a tensor over data-parallel ranks (identity on one process).
-Reduce = Callable[[torch.Tensor], torch.Tensor]
+__all__ = ["Policy", "Reduce"]
 
 
 class Policy:
@@ -51,9 +51,9 @@ class Policy:
     options: ClassVar[tuple[str, ...]] = ()
     codecs: ClassVar[tuple[str, ...] | None] = ()
     takes_codec_options: ClassVar[bool] = False
-    engine: Any = None
+    engine: ActivationCompressor | None = None
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: ActivationCompressor) -> None:
         """Called by the :class:`ActivationCompressor` that uses this policy; policies read
         the step's site records from ``engine.stats``."""
         self.engine = engine

@@ -1,0 +1,171 @@
+"""The policy's calibration cycle, written once: begin, exact gradient, compressed pass,
+end. :func:`~lightning_acgc.engine.compressed_step` (plain PyTorch) and the Lightning
+adapter both drive a :class:`CalibrationCycle`. No Lightning import here."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from lightning_acgc.engine.compressor import ActivationCompressor
+from lightning_acgc.engine.policy import Policy, Reduce
+
+__all__ = ["CalibrationCycle", "exact_gradients", "mean_over_ranks", "no_reduce", "no_side_effects"]
+
+
+def no_reduce(t: torch.Tensor) -> torch.Tensor:
+    """The ``reduce`` of a single process."""
+    return t
+
+
+@contextlib.contextmanager
+def no_side_effects(model: nn.Module) -> Iterator[None]:
+    """Undo what an extra forward of ``model`` changes: the random states of the CPU and
+    of the CUDA devices holding parameters are restored (dropout draws the same masks
+    again) and so are the buffers (BatchNorm running statistics)."""
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    buffers = [(b, b.detach().clone()) for b in model.buffers() if b.device.type != "meta"]
+    try:
+        with torch.random.fork_rng(devices=devices, device_type="cuda"):
+            yield
+    finally:
+        with torch.no_grad():
+            for buf, saved in buffers:
+                buf.copy_(saved)
+
+
+def exact_gradients(
+    engine: ActivationCompressor,
+    model: nn.Module,
+    compute_loss: Callable[[], torch.Tensor | None],
+    scale: float = 1.0,
+) -> dict[str, torch.Tensor] | None:
+    """The uncompressed gradient of ``scale * compute_loss()`` by parameter name, leaving
+    no trace: ``.grad`` untouched, random state and buffers restored
+    (:func:`no_side_effects`), so the compressed pass that follows sees the same dropout
+    masks and statistics. A parameter the loss does not reach gets zeros (every rank
+    has the same names). ``None`` when there is no differentiable loss."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        return None
+    with no_side_effects(model), engine.paused():
+        loss = compute_loss()
+        if loss is None or not loss.requires_grad:
+            return None
+        grads = torch.autograd.grad(
+            loss * scale if scale != 1.0 else loss, [p for _, p in named], allow_unused=True
+        )
+    return {
+        n: (g.detach() if g is not None else torch.zeros_like(p))
+        for (n, p), g in zip(named, grads, strict=True)
+    }
+
+
+def mean_over_ranks(
+    grads: dict[str, torch.Tensor], reduce: Reduce, world_size: int
+) -> dict[str, torch.Tensor]:
+    """``grads`` averaged over ranks in one collective (flattened and split again)."""
+    if world_size <= 1 or not grads:
+        return grads
+    names = list(grads)
+    flat = reduce(torch.cat([grads[n].reshape(-1).float() for n in names]))
+    out: dict[str, torch.Tensor] = {}
+    offset = 0
+    for n in names:
+        g = grads[n]
+        out[n] = flat[offset : offset + g.numel()].view_as(g).to(g.dtype)
+        offset += g.numel()
+    return out
+
+
+class CalibrationCycle:
+    """One policy's calibration cycle over the steps of a fit.
+
+    Per step: :meth:`begin` (``policy.begin_step``; whether the policy wants the exact
+    gradient), :meth:`add_exact_gradient` on each of the step's batches when it does
+    (summed; handed to ``policy.set_exact_gradients``, averaged over ranks, with the
+    last batch, before its compressed forward), the compressed forward and backward
+    (the caller's), then :meth:`end` (``policy.end_step``) before the optimizer step.
+
+    Args:
+        engine: the installed engine whose policy is calibrated.
+        reduce: averages a tensor over data-parallel ranks.
+        world_size: number of ranks (1: nothing is averaged).
+
+    Example:
+        >>> from lightning_acgc.engine.settings import EngineSettings
+        >>> from lightning_acgc.policies import build_policy
+        >>> model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 1))
+        >>> engine = ActivationCompressor(build_policy("acgc"), model=model)
+        >>> cycle = CalibrationCycle(engine)
+        >>> cycle.begin(0)
+        True
+        >>> grads = cycle.add_exact_gradient(model, lambda: model(torch.ones(2, 8)).sum())
+        >>> sorted(grads) == sorted(n for n, _ in model.named_parameters())
+        True
+    """
+
+    def __init__(
+        self, engine: ActivationCompressor, reduce: Reduce = no_reduce, world_size: int = 1
+    ) -> None:
+        self.engine = engine
+        self.reduce = reduce
+        self.world_size = world_size
+        self.step: int | None = None  # the step begun
+        self.ended: int | None = None  # the step whose end_step ran
+        self.wants_exact = False
+        self._exact: dict[str, torch.Tensor] | None = None
+
+    @property
+    def policy(self) -> Policy:
+        return self.engine.policy
+
+    def begin(self, step: int) -> bool:
+        """``policy.begin_step(step)`` once per step; whether it wants the exact gradient."""
+        if step != self.step:
+            self.step = step
+            self._exact = None
+            self.policy.begin_step(step)
+            self.wants_exact = bool(self.policy.needs_exact_gradient(step))
+        return self.wants_exact
+
+    def add_exact_gradient(
+        self,
+        model: nn.Module,
+        compute_loss: Callable[[], torch.Tensor | None],
+        scale: float = 1.0,
+        last: bool = True,
+    ) -> dict[str, torch.Tensor] | None:
+        """Add this batch's exact gradient (``scale`` times it) to the step's sum; with
+        ``last``, hand the sum over ranks' mean to the policy. Returns this batch's."""
+        grads = exact_gradients(self.engine, model, compute_loss, scale)
+        if grads is None:
+            return None
+        if self._exact is None:
+            self._exact = dict(grads)
+        else:
+            for name, grad in grads.items():
+                self._exact[name] = self._exact[name] + grad
+        if last:
+            total = mean_over_ranks(self._exact, self.reduce, self.world_size)
+            self._exact = None
+            self.policy.set_exact_gradients(total, reduce=self.reduce)
+        return grads
+
+    def reset(self) -> None:
+        """Forget the step begun: the next :meth:`begin` calls ``begin_step`` again."""
+        self.step = self.ended = None
+        self.wants_exact = False
+        self._exact = None
+
+    def end(self, model: nn.Module) -> bool:
+        """``policy.end_step`` for the step begun (once); whether it ran now."""
+        if self.step is None or self.ended == self.step:
+            return False
+        self._exact = None
+        self.policy.end_step(self.step, model, self.reduce)
+        self.ended = self.step
+        return True
