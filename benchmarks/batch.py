@@ -35,7 +35,7 @@ from benchmarks._harness import (
     setup_threads,
 )
 from lightning_acgc import ActivationCompression, CompressedBatchSizeFinder
-from lightning_acgc.batch_size import static_memory_bytes
+from lightning_acgc.lightning.batch_size import static_memory_bytes
 
 MODELS = ("resnet", "bert")  # the GNN recipe has no batch dimension
 # the text task's default size, so that the search is not capped by a small data set

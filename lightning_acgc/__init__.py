@@ -1,8 +1,6 @@
 """lightning_acgc: activation-compressed training for PyTorch and PyTorch Lightning."""
 
 from lightning_acgc.api import compress_activations
-from lightning_acgc.batch_size import CompressedBatchSizeFinder
-from lightning_acgc.callback import ActivationCompression
 from lightning_acgc.codecs import CodecSpec, Packed, available_codecs, build_codec
 from lightning_acgc.engine import (
     ActivationCompressor,
@@ -10,8 +8,14 @@ from lightning_acgc.engine import (
     EngineSettings,
     compressed_step,
 )
+from lightning_acgc.lightning import (
+    ACGCDDPStrategy,
+    ACGCFSDPStrategy,
+    ACGCStrategy,
+    ActivationCompression,
+    CompressedBatchSizeFinder,
+)
 from lightning_acgc.policies import available_policies, build_policy
-from lightning_acgc.strategy import ACGCDDPStrategy, ACGCFSDPStrategy, ACGCStrategy
 
 __all__ = [
     "ACGCDDPStrategy",

@@ -237,7 +237,7 @@ class RankRecorder(Callback):
         self.hooks_in_step.append(saved_tensors_hooks_active())
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        from lightning_acgc.callback import ActivationCompression
+        from lightning_acgc.lightning.callback import ActivationCompression
 
         (cb,) = [c for c in trainer.callbacks if isinstance(c, ActivationCompression)]
         digest = torch.tensor([cb.settings_digest()], dtype=torch.int64)

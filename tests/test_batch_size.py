@@ -12,17 +12,17 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.memory import is_oom_error
 from torch import nn
 
-from lightning_acgc.batch_size import (
+from lightning_acgc.codecs import CodecSpec
+from lightning_acgc.engine import ActivationCompressor, MemoryBudgetError
+from lightning_acgc.lightning.batch_size import (
     CompressedBatchSizeFinder,
     lr_factor,
     parse_memory,
     static_memory_bytes,
 )
-from lightning_acgc.callback import ActivationCompression
-from lightning_acgc.codecs import CodecSpec
-from lightning_acgc.engine import ActivationCompressor, MemoryBudgetError
+from lightning_acgc.lightning.callback import ActivationCompression
+from lightning_acgc.lightning.strategy import ACGCStrategy
 from lightning_acgc.policies import build_policy
-from lightning_acgc.strategy import ACGCStrategy
 
 BUDGET = "256KiB"
 

@@ -19,13 +19,13 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
-from lightning_acgc.callback import (
+from lightning_acgc.codecs import CodecSpec
+from lightning_acgc.lightning import (
     CODEC_POLICY,
     DEFAULT_POLICY,
     DEFAULT_POLICY_OPTIONS,
     ActivationCompression,
 )
-from lightning_acgc.codecs import CodecSpec
 from lightning_acgc.policies import FixedPolicy, available_policies
 
 

@@ -10,8 +10,8 @@ import torch
 from _lightning_models import RankRecorder, TinyMLP, trainer_kwargs
 from lightning.pytorch import Trainer
 
-import lightning_acgc.strategy  # noqa: F401  (registers the acgc strategies)
-from lightning_acgc.callback import ActivationCompression
+import lightning_acgc.lightning.strategy  # noqa: F401  (registers the acgc strategies)
+from lightning_acgc.lightning.callback import ActivationCompression
 from lightning_acgc.policies import available_policies
 
 pytestmark = pytest.mark.skipif(

@@ -14,8 +14,8 @@ from _lightning_models import (
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 
-from lightning_acgc.callback import ActivationCompression
-from lightning_acgc.strategy import ACGCDDPStrategy, ACGCFSDPStrategy, ACGCStrategy
+from lightning_acgc.lightning.callback import ActivationCompression
+from lightning_acgc.lightning.strategy import ACGCDDPStrategy, ACGCFSDPStrategy, ACGCStrategy
 
 
 def _kwargs(**overrides: object) -> dict:

@@ -38,95 +38,28 @@ the optimizer step and other callbacks, and not at all during tuner trials.
 
 from __future__ import annotations
 
-import dataclasses
-import zlib
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import BatchSizeFinder, Callback
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_acgc._lightning_utils import (
-    CompressionScopeMixin,
-    StepScope,
-    TrainingStepPatch,
-    call_training_step,
-    first_train_batch,
-    make_reduce,
-    offline,
-    step_loss,
-    training_loss,
-)
-from lightning_acgc.batch_size import CompressedBatchSizeFinder, parse_memory, static_memory_bytes
-from lightning_acgc.codecs import CodecSpec, codec_option_names
-from lightning_acgc.engine.compressor import ActivationCompressor
-from lightning_acgc.engine.cycle import CalibrationCycle
 from lightning_acgc.engine.meter import CompressionStats
 from lightning_acgc.engine.settings import EngineSettings
-from lightning_acgc.policies import OffPolicy, Policy, build_policy
+from lightning_acgc.lightning.batch_size import CompressedBatchSizeFinder, parse_memory
+from lightning_acgc.lightning.driver import CalibrationDriver
+from lightning_acgc.lightning.options import codec_text, make_policy, policy_text
+from lightning_acgc.policies import OffPolicy, Policy
 
-__all__ = ["CODEC_POLICY", "DEFAULT_POLICY", "DEFAULT_POLICY_OPTIONS", "ActivationCompression"]
-
-# The default policy and, when no codec is named, its default options: the one place to
-# change when another policy becomes the default.
-# Without ``policy``: the adaptive AC-GC policy; naming a codec or its options instead
-# (``ActivationCompression(codec="quant", bits=2)``) means that codec everywhere.
-DEFAULT_POLICY = "acgc"
-CODEC_POLICY = "fixed"
-DEFAULT_POLICY_OPTIONS: dict[str, dict[str, Any]] = {"fixed": {"codec": "quant", "bits": 4}}
+__all__ = ["ActivationCompression"]
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
-
-
-def _accumulating(trainer: Trainer) -> bool:
-    """Whether the current batch accumulates gradients (no optimizer step after it)."""
-    if trainer.accumulate_grad_batches <= 1:
-        return False
-    should_accumulate = getattr(trainer.fit_loop, "_should_accumulate", None)
-    return bool(should_accumulate()) if should_accumulate is not None else False
-
-
-def _build_policy(policy: str | Policy | None, backend: str, options: dict[str, Any]) -> Policy:
-    if policy is None:
-        default = DEFAULT_POLICY_OPTIONS[CODEC_POLICY]["codec"]
-        names_codec = options.keys() & {"codec", *codec_option_names(default)}
-        policy = CODEC_POLICY if names_codec else DEFAULT_POLICY
-    if isinstance(policy, Policy):
-        if options:
-            raise ValueError(
-                f"options {sorted(options)} configure a policy by name; a Policy instance "
-                "is already configured, so give them to its constructor"
-            )
-        return policy
-    if not isinstance(policy, str):
-        raise ValueError(f"policy={policy!r} must be a policy name or a Policy instance")
-    if "codec" not in options:
-        options = {**DEFAULT_POLICY_OPTIONS.get(policy, {}), **options}
-    return build_policy(policy, backend=backend, **options)
-
-
-def _codec_text(policy: Policy) -> str:
-    """``"codec=quant bits=4"``: the policy's codec spec (or ``""``)."""
-    config = getattr(policy, "config", None)
-    return config.describe() if isinstance(config, CodecSpec) else ""
-
-
-def _policy_text(policy: Policy) -> str:
-    """:func:`_codec_text` plus the policy's declared options (kept as attributes of the
-    same name), e.g. ``"acgc codec=bounded gradient_error=0.05"``."""
-    parts = [policy.name, _codec_text(policy)]
-    for name in policy.options:
-        value = getattr(policy, name, None)
-        if isinstance(value, (bool, int, float, str)):
-            parts.append(f"{name}={value}")
-    return " ".join(p for p in parts if p)
 
 
 class ActivationCompression(Callback):
@@ -207,24 +140,16 @@ class ActivationCompression(Callback):
         **options: Any,
     ) -> None:
         _check_int("log_every_n_steps", log_every_n_steps, 1)
-        self.settings = EngineSettings(min_numel, seed, bool(compress_masks), bool(strict))
-        self.policy = _build_policy(policy, backend, options)
+        self.policy = make_policy(policy, backend, options)
         self.log_every_n_steps = log_every_n_steps
         self.print_table = bool(print_table)
-        self.memory_budget = parse_memory(memory_budget)
         self.batch_size_finder = self._make_finder(scale_batch_size, lr_scaling)
-
-        self.engine: ActivationCompressor | None = None
-        self._scope: StepScope | None = None
-        self._patch: TrainingStepPatch | None = None
-        self._strategy: CompressionScopeMixin | None = None
-        self._active = False
-        self._cycle: CalibrationCycle | None = None
-        self._loaded_step: int | None = None
-        self._last_step = 0
-        self._ranks_checked = False
+        self._driver = CalibrationDriver(
+            self.policy,
+            EngineSettings(min_numel, seed, bool(compress_masks), bool(strict)),
+            parse_memory(memory_budget),
+        )
         self._search_logged = False
-        self._warned: set[str] = set()
 
     def _make_finder(
         self, scale_batch_size: str | CompressedBatchSizeFinder | None, lr_scaling: str | None
@@ -267,26 +192,31 @@ class ActivationCompression(Callback):
         return not isinstance(self.policy, OffPolicy)
 
     @property
+    def settings(self) -> EngineSettings:
+        """The engine's settings (the seed follows a resumed checkpoint)."""
+        return self._driver.settings
+
+    @property
+    def memory_budget(self) -> int | None:
+        return self._driver.memory_budget
+
+    @property
+    def engine(self) -> Any:
+        """The engine of the running or latest fit (``None`` before the first)."""
+        return self._driver.engine
+
+    @property
     def stats(self) -> CompressionStats | None:
         """The engine's counters of the latest step (kept after fit)."""
         return self.engine.stats if self.engine is not None else None
 
     def describe(self) -> str:
         """Short text of the policy and its settings."""
-        return _policy_text(self.policy)
+        return policy_text(self.policy)
 
     def settings_digest(self) -> int:
-        """A checksum of the codec settings in use: every site's codec and settings in
-        the latest step and the policy's per-site settings. Equal on every rank."""
-        items: list[tuple[str, ...]] = []
-        if self.engine is not None:
-            items = sorted(
-                (key, rec.codec, rec.settings)
-                for key, rec in self.engine.stats.sites.items()
-                if rec.codec != "kept"
-            )
-        items += sorted(self.policy.site_settings().items())
-        return zlib.crc32(repr((self.describe(), items)).encode())
+        """A checksum of the codec settings in use, equal on every rank."""
+        return self._driver.settings_digest()
 
     def summary(self) -> str:
         """The per-site table of the latest step, then the policy's site settings."""
@@ -302,7 +232,7 @@ class ActivationCompression(Callback):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(policy=self.policy.name, codec=_codec_text(self.policy))
+        return self._generate_state_key(policy=self.policy.name, codec=codec_text(self.policy))
 
     # -- setup and cleanup -------------------------------------------------------
     @override
@@ -341,56 +271,18 @@ class ActivationCompression(Callback):
             self._search(trainer, pl_module)
 
     def _start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        budget_base = 0
-        if self.memory_budget is not None:
-            budget_base = static_memory_bytes(pl_module, trainer.optimizers)
-        engine = ActivationCompressor(
-            self.policy,
-            model=pl_module,
-            settings=self.settings,
-            memory_budget=self.memory_budget,
-            budget_base=budget_base,
-        )
-        engine.install()
-        scope = StepScope(engine, step=self._loaded_step or 0)
-        strategy = trainer.strategy
-        try:
-            self.policy.setup(pl_module)
-            if isinstance(strategy, CompressionScopeMixin):
-                strategy.attach_compression(scope)
-                self._strategy = strategy
-            else:
-                self._patch = TrainingStepPatch(strategy, scope)
-        except BaseException:
-            engine.remove()
-            raise
-        self.engine, self._scope, self._active = engine, scope, True
-        self._cycle = CalibrationCycle(engine, make_reduce(trainer), trainer.world_size)
-        self._ranks_checked = self._search_logged = False
+        self._driver.start(trainer, pl_module)
+        self._search_logged = False
 
     def _stop(self) -> None:
         """Undo everything :meth:`_start` did (idempotent; also after exceptions)."""
-        if self._patch is not None:
-            self._patch.restore()
-            self._patch = None
-        if self._strategy is not None:
-            self._strategy.detach_compression()
-            self._strategy = None
-        if self.engine is not None and self.engine.installed:
-            self.engine.remove()
-        if self._active:
-            self._active = False
-            if self._scope is not None:
-                self._last_step = self._scope.step
-            self._loaded_step = None
-            self._cycle = None
-            self.policy.teardown()
+        self._driver.stop()
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         try:
-            engine = self.engine
-            if self._active and self.print_table and engine is not None and engine.stats.sites:
+            stats = self.stats if self._driver.active else None
+            if self.print_table and stats is not None and stats.sites:
                 rank_zero_info(self.summary())
         finally:
             self._stop()
@@ -411,58 +303,13 @@ class ActivationCompression(Callback):
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if not self._active or self._cycle is None:
-            return
-        if not self._cycle.begin(trainer.global_step):
-            return
-        if batch is None or not self._exact_supported(trainer, pl_module):
-            return
-        # Handed over before the forward, as the policy protocol says; with gradient
-        # accumulation, before the forward of the step's last batch, with the whole sum.
-        self._cycle.add_exact_gradient(
-            pl_module,
-            step_loss(trainer, pl_module, batch, batch_idx),
-            scale=1.0 / trainer.accumulate_grad_batches,
-            last=not _accumulating(trainer),
-        )
-
-    def _exact_supported(self, trainer: Trainer, pl_module: LightningModule) -> bool:
-        if not pl_module.automatic_optimization:
-            self._warn_once(
-                "manual",
-                "the policy asked for the exact gradient, which needs automatic optimization "
-                "(training_step runs the optimizer itself); calibrating without it",
-            )
-            return False
-        if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
-            self._warn_once(
-                "strategy",
-                f"the exact gradient is not available with {type(trainer.strategy).__name__} "
-                "(sharded parameters); calibrating without it",
-            )
-            return False
-        return True
+        self._driver.batch_start(trainer, pl_module, batch, batch_idx)
 
     @override
     def on_before_optimizer_step(
         self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        cycle = self._cycle
-        if not self._active or cycle is None or not cycle.end(pl_module):
-            return
-        if trainer.world_size > 1 and (cycle.wants_exact or not self._ranks_checked):
-            self._check_ranks_agree(trainer, pl_module)
-
-    def _check_ranks_agree(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        digest = torch.tensor([self.settings_digest()], dtype=torch.int64, device=pl_module.device)
-        gathered = trainer.strategy.all_gather(digest).reshape(-1)
-        self._ranks_checked = True
-        if bool((gathered != gathered[0]).any()):
-            rank_zero_warn(
-                "lightning_acgc: codec settings differ between ranks "
-                f"(digests {gathered.tolist()}); the policy should calibrate from reduced "
-                "statistics"
-            )
+        self._driver.before_optimizer_step(trainer, pl_module)
 
     @override
     def on_train_batch_end(
@@ -473,10 +320,9 @@ class ActivationCompression(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        if not self._active or self.engine is None or self._cycle is None:
+        if not self._driver.active or self.engine is None:
             return
-        cycle = self._cycle
-        step = cycle.step if cycle.step is not None else trainer.global_step
+        step, ended = self._driver.ended_step(trainer)
         if step % self.log_every_n_steps:
             return
         stats = self.engine.stats
@@ -484,7 +330,7 @@ class ActivationCompression(Callback):
         pl_module.log("acgc/ratio", stats.ratio, prog_bar=True, **log)
         pl_module.log("acgc/saved_mb", stats.saved_bytes / 2**20, **log)
         pl_module.log("acgc/packed_mb", stats.packed_bytes / 2**20, **log)
-        if cycle.ended == step:
+        if ended:
             for key, value in self.policy.metrics().items():
                 pl_module.log(f"acgc/{key}", float(value), **log)
         if not self._search_logged and self.batch_size_finder is not None:
@@ -499,61 +345,24 @@ class ActivationCompression(Callback):
             rank_zero_info("lightning_acgc: fast_dev_run, skipping the batch-size search")
             return
         if pl_module.automatic_optimization:
-            self._calibration_step(trainer, pl_module)
+            self._driver.calibration_step(trainer, pl_module)
         else:
-            self._warn_once(
+            self._driver.warn_once(
                 "search-manual",
                 "with manual optimization the batch-size search runs before any calibration",
             )
         self.batch_size_finder.search(trainer, pl_module, self.engine)
-
-    def _calibration_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """One calibration step on the first batch, with no optimizer step and no trace:
-        RNG, buffers and gradients are restored, the step counter too."""
-        assert self.engine is not None and self._scope is not None and self._cycle is not None
-        engine, scope, cycle = self.engine, self._scope, self._cycle
-        batch = first_train_batch(trainer, pl_module)
-        scope_step, budget = scope.step, engine.memory_budget
-        engine.memory_budget = None  # the search, not this step, finds what fits
-        try:
-            if cycle.begin(trainer.global_step) and self._exact_supported(trainer, pl_module):
-                cycle.add_exact_gradient(pl_module, step_loss(trainer, pl_module, batch, 0))
-            named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
-            with offline(pl_module):
-                output = scope.run(call_training_step, trainer, pl_module, batch, 0)
-                loss = training_loss(output)
-                if loss is None or not loss.requires_grad or not named:
-                    return
-                grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
-            previous = [p.grad for _, p in named]
-            try:
-                for (_, p), grad in zip(named, grads, strict=True):
-                    p.grad = grad
-                cycle.end(pl_module)
-            finally:
-                for (_, p), grad in zip(named, previous, strict=True):
-                    p.grad = grad
-        finally:
-            engine.memory_budget = budget
-            scope.step = scope_step
-            cycle.reset()  # the fit's first step calibrates afresh
 
     # -- checkpointing -------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
         if not self.enabled:
             return {}
-        if self._active and self._scope is not None:
-            step = self._scope.step
-        elif self._loaded_step is not None:
-            step = self._loaded_step
-        else:
-            step = self._last_step
         return {
             "policy_name": self.policy.name,
             "policy": self.policy.state_dict(),
             "seed": self.settings.seed,
-            "step": step,
+            "step": self._driver.step,
         }
 
     @override
@@ -574,16 +383,4 @@ class ActivationCompression(Callback):
                 "lightning_acgc: continuing with the checkpoint's seed "
                 f"{seed} (not {self.settings.seed})"
             )
-            self.settings = dataclasses.replace(self.settings, seed=seed)
-            if self.engine is not None:
-                self.engine.seed = seed
-        step = int(state_dict.get("step", 0))
-        if self._active and self._scope is not None:
-            self._scope.step = step
-        else:
-            self._loaded_step = step
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            rank_zero_warn(f"lightning_acgc: {message}")
+        self._driver.resume(int(state_dict.get("step", 0)), seed)

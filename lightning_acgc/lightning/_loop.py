@@ -1,10 +1,5 @@
-"""Plumbing shared by the Lightning adapter: the per-step scope, the strategy patch for
-callback-only use, and running ``training_step`` outside the loop without side effects.
-
-Nothing here is public API. The callback (``callback.py``) owns one :class:`StepScope`
-per fit; the compression strategies (``strategy.py``) and, for stock strategies, a
-:class:`TrainingStepPatch` call :meth:`StepScope.run` around ``training_step``.
-"""
+"""Running ``training_step`` outside Lightning's loop without side effects, and the
+``reduce`` over ranks. Nothing here is public API."""
 
 from __future__ import annotations
 
@@ -14,17 +9,11 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.strategies import Strategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
-from lightning_acgc.engine.compressor import ActivationCompressor
 from lightning_acgc.engine.cycle import no_side_effects
 
 __all__ = [
-    "CompressionScopeMixin",
-    "StepScope",
-    "TrainingStepPatch",
     "call_training_step",
     "first_train_batch",
     "make_reduce",
@@ -35,94 +24,6 @@ __all__ = [
 ]
 
 _MISSING = object()
-
-
-class StepScope:
-    """Runs one ``training_step`` call as one engine step inside the saved-tensor hooks.
-
-    Args:
-        engine: the installed engine of the running fit.
-        step: the first step number; seeds derive from it, so a resumed run passes the
-            number it had reached (see :meth:`ActivationCompression.state_dict`).
-    """
-
-    def __init__(self, engine: ActivationCompressor, step: int = 0) -> None:
-        self.engine = engine
-        self.step = step
-
-    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)`` as a new engine step with compression active."""
-        self.engine.new_step(self.step)
-        self.step += 1
-        with self.engine.scope():
-            return fn(*args, **kwargs)
-
-
-class CompressionScopeMixin:
-    """Strategy mixin: ``training_step`` runs inside the attached :class:`StepScope`.
-
-    With no scope attached (no :class:`~lightning_acgc.ActivationCompression` active),
-    the strategy behaves exactly like its Lightning parent.
-    """
-
-    _acgc_scope: StepScope | None = None
-
-    def attach_compression(self, scope: StepScope) -> None:
-        """Scope every later ``training_step`` with ``scope`` (called on fit start)."""
-        if self._acgc_scope is not None and self._acgc_scope is not scope:
-            raise RuntimeError(
-                f"{type(self).__name__} already runs another ActivationCompression; "
-                "one compression callback per Trainer"
-            )
-        self._acgc_scope = scope
-
-    def detach_compression(self) -> None:
-        """Stop scoping ``training_step`` (called on fit end and on exceptions)."""
-        self._acgc_scope = None
-
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        scope = self._acgc_scope
-        if scope is None:
-            return super().training_step(*args, **kwargs)  # type: ignore[misc]
-        return scope.run(super().training_step, *args, **kwargs)  # type: ignore[misc]
-
-
-class TrainingStepPatch:
-    """Wraps ``strategy.training_step`` on this one instance (a stock Lightning strategy)
-    and undoes exactly that in :meth:`restore`; the class and other instances are untouched.
-
-    Args:
-        strategy: the trainer's strategy instance.
-        scope: what each call runs inside.
-    """
-
-    def __init__(self, strategy: Strategy, scope: StepScope) -> None:
-        self.strategy = strategy
-        self._previous = strategy.__dict__.get("training_step", _MISSING)
-        original = strategy.training_step
-
-        def training_step(*args: Any, **kwargs: Any) -> Any:
-            return scope.run(original, *args, **kwargs)
-
-        training_step.__wrapped__ = original  # type: ignore[attr-defined]
-        self._wrapper = training_step
-        strategy.training_step = training_step  # type: ignore[method-assign]
-
-    def restore(self) -> None:
-        """Put back what was there before (idempotent)."""
-        if self._wrapper is None:
-            return
-        current = self.strategy.__dict__.get("training_step", _MISSING)
-        if current is not self._wrapper:
-            rank_zero_warn(
-                "lightning_acgc: strategy.training_step was replaced by someone else while "
-                "ActivationCompression wrapped it; leaving the current one in place"
-            )
-        elif self._previous is _MISSING:
-            del self.strategy.__dict__["training_step"]
-        else:
-            self.strategy.__dict__["training_step"] = self._previous
-        self._wrapper = None
 
 
 # -- running training_step outside the loop ---------------------------------------

@@ -12,7 +12,7 @@ The configuration stays in :class:`~lightning_acgc.ActivationCompression`; the s
 only provides the scope. ``Trainer(strategy="acgc")`` alone adds a default
 ``ActivationCompression()`` callback (or the one given as ``compression=``). With a
 stock Lightning strategy, the callback wraps that strategy instance's
-``training_step`` in the same way and puts it back on fit end (see ``callback.py``).
+``training_step`` in the same way and puts it back on fit end (see ``lightning/callback.py``).
 
 Registered names (``Trainer(strategy=...)``): ``"acgc"`` (one device, taken from
 ``accelerator``/``devices``), ``"acgc_ddp"``, ``"acgc_ddp_spawn"``, ``"acgc_ddp_fork"``,
@@ -25,7 +25,7 @@ is not exercised by the CPU test suite.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.types import _DEVICE
@@ -40,18 +40,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_acgc._lightning_utils import CompressionScopeMixin
-
-if TYPE_CHECKING:
-    from lightning_acgc.callback import ActivationCompression
+from lightning_acgc.lightning.callback import ActivationCompression
+from lightning_acgc.lightning.scope import CompressionScopeMixin
 
 __all__ = ["ACGCDDPStrategy", "ACGCFSDPStrategy", "ACGCStrategy", "register_acgc_strategies"]
 
 
 def _connect_compression(model: LightningModule, compression: ActivationCompression | None) -> None:
     """Make sure a trainer fitting ``model`` has an ActivationCompression."""
-    from lightning_acgc.callback import ActivationCompression
-
     try:
         trainer = model.trainer
     except RuntimeError:  # not attached to a Trainer

@@ -1,0 +1,252 @@
+"""The compression of one fit, as a class that owns its state: the engine, the scope of
+``training_step``, the policy's calibration cycle, and the one step counter."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_acgc.engine.compressor import ActivationCompressor
+from lightning_acgc.engine.cycle import CalibrationCycle
+from lightning_acgc.engine.settings import EngineSettings
+from lightning_acgc.lightning._loop import (
+    call_training_step,
+    first_train_batch,
+    make_reduce,
+    offline,
+    step_loss,
+    training_loss,
+)
+from lightning_acgc.lightning.batch_size import static_memory_bytes
+from lightning_acgc.lightning.options import policy_text
+from lightning_acgc.lightning.scope import CompressionScopeMixin, TrainingStepPatch
+from lightning_acgc.policies import Policy
+
+__all__ = ["CalibrationDriver"]
+
+
+def _accumulating(trainer: Trainer) -> bool:
+    """Whether the current batch accumulates gradients (no optimizer step after it)."""
+    if trainer.accumulate_grad_batches <= 1:
+        return False
+    should_accumulate = getattr(trainer.fit_loop, "_should_accumulate", None)
+    return bool(should_accumulate()) if should_accumulate is not None else False
+
+
+class CalibrationDriver:
+    """Installs the engine on fit start, scopes ``training_step`` (it is the strategies'
+    :class:`~lightning_acgc.lightning.scope.Scope`), drives the engine's
+    :class:`~lightning_acgc.engine.CalibrationCycle` from the callback's hooks, and
+    removes everything on :meth:`stop`.
+
+    ``step`` is the one step counter: the number of compressed ``training_step`` calls
+    (the codecs' seeds derive from it). It is checkpointed; a fit starts it at 0 unless
+    :meth:`resume` set it from a checkpoint.
+
+    Args:
+        policy: the policy of the fit.
+        settings: the engine's settings.
+        memory_budget: bytes (see :class:`~lightning_acgc.engine.ActivationCompressor`).
+    """
+
+    def __init__(
+        self, policy: Policy, settings: EngineSettings, memory_budget: int | None = None
+    ) -> None:
+        self.policy = policy
+        self.settings = settings
+        self.memory_budget = memory_budget
+        self.step = 0
+        self.engine: ActivationCompressor | None = None
+        self.cycle: CalibrationCycle | None = None
+        self.active = False
+        self._resumed = False
+        self._patch: TrainingStepPatch | None = None
+        self._strategy: CompressionScopeMixin | None = None
+        self._ranks_checked = False
+        self._warned: set[str] = set()
+
+    # -- the scope of training_step ------------------------------------------------
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` as the next engine step with compression active."""
+        assert self.engine is not None
+        self.engine.new_step(self.step)
+        self.step += 1
+        with self.engine.scope():
+            return fn(*args, **kwargs)
+
+    def resume(self, step: int, seed: int) -> None:
+        """Continue from a checkpoint's step counter and seed."""
+        self.step, self._resumed = step, not self.active
+        if seed != self.settings.seed:
+            self.settings = EngineSettings(
+                self.settings.min_numel, seed, self.settings.compress_masks, self.settings.strict
+            )
+            if self.engine is not None:
+                self.engine.seed = seed
+
+    # -- fit start and end ---------------------------------------------------------
+    def start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        budget_base = 0
+        if self.memory_budget is not None:
+            budget_base = static_memory_bytes(pl_module, trainer.optimizers)
+        engine = ActivationCompressor(
+            self.policy,
+            model=pl_module,
+            settings=self.settings,
+            memory_budget=self.memory_budget,
+            budget_base=budget_base,
+        )
+        engine.install()
+        if not self._resumed:
+            self.step = 0
+        self._resumed = False
+        strategy = trainer.strategy
+        try:
+            self.engine = engine
+            self.policy.setup(pl_module)
+            if isinstance(strategy, CompressionScopeMixin):
+                strategy.attach_compression(self)
+                self._strategy = strategy
+            else:
+                self._patch = TrainingStepPatch(strategy, self)
+        except BaseException:
+            engine.remove()
+            raise
+        self.cycle = CalibrationCycle(engine, make_reduce(trainer), trainer.world_size)
+        self.active = True
+        self._ranks_checked = False
+
+    def stop(self) -> None:
+        """Undo everything :meth:`start` did (idempotent; also after exceptions)."""
+        if self._patch is not None:
+            self._patch.restore()
+            self._patch = None
+        if self._strategy is not None:
+            self._strategy.detach_compression()
+            self._strategy = None
+        if self.engine is not None and self.engine.installed:
+            self.engine.remove()
+        if self.active:
+            self.active = False
+            self.cycle = None
+            self.policy.teardown()
+
+    # -- one training step ---------------------------------------------------------
+    def batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """Begin the step; on its batches, the exact gradient if the policy wants it."""
+        if not self.active or self.cycle is None:
+            return
+        if not self.cycle.begin(trainer.global_step):
+            return
+        if batch is None or not self._exact_supported(trainer, pl_module):
+            return
+        # Handed over before the forward, as the policy protocol says; with gradient
+        # accumulation, before the forward of the step's last batch, with the whole sum.
+        self.cycle.add_exact_gradient(
+            pl_module,
+            step_loss(trainer, pl_module, batch, batch_idx),
+            scale=1.0 / trainer.accumulate_grad_batches,
+            last=not _accumulating(trainer),
+        )
+
+    def before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """End the step (once); under DDP, check that the ranks' settings agree."""
+        cycle = self.cycle
+        if not self.active or cycle is None or not cycle.end(pl_module):
+            return
+        if trainer.world_size > 1 and (cycle.wants_exact or not self._ranks_checked):
+            self._check_ranks_agree(trainer, pl_module)
+
+    def ended_step(self, trainer: Trainer) -> tuple[int, bool]:
+        """The step of the current batch and whether its ``end_step`` ran."""
+        cycle = self.cycle
+        if cycle is None or cycle.step is None:
+            return trainer.global_step, False
+        return cycle.step, cycle.ended == cycle.step
+
+    def _exact_supported(self, trainer: Trainer, pl_module: LightningModule) -> bool:
+        if not pl_module.automatic_optimization:
+            self.warn_once(
+                "manual",
+                "the policy asked for the exact gradient, which needs automatic optimization "
+                "(training_step runs the optimizer itself); calibrating without it",
+            )
+            return False
+        if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
+            self.warn_once(
+                "strategy",
+                f"the exact gradient is not available with {type(trainer.strategy).__name__} "
+                "(sharded parameters); calibrating without it",
+            )
+            return False
+        return True
+
+    # -- settings agree over ranks -------------------------------------------------
+    def settings_digest(self) -> int:
+        """A checksum of the codec settings in use: every site's codec and settings in
+        the latest step and the policy's per-site settings. Equal on every rank."""
+        items: list[tuple[str, ...]] = []
+        if self.engine is not None:
+            items = sorted(
+                (key, rec.codec, rec.settings)
+                for key, rec in self.engine.stats.sites.items()
+                if rec.codec != "kept"
+            )
+        items += sorted(self.policy.site_settings().items())
+        return zlib.crc32(repr((policy_text(self.policy), items)).encode())
+
+    def _check_ranks_agree(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        digest = torch.tensor([self.settings_digest()], dtype=torch.int64, device=pl_module.device)
+        gathered = trainer.strategy.all_gather(digest).reshape(-1)
+        self._ranks_checked = True
+        if bool((gathered != gathered[0]).any()):
+            rank_zero_warn(
+                "lightning_acgc: codec settings differ between ranks "
+                f"(digests {gathered.tolist()}); the policy should calibrate from reduced "
+                "statistics"
+            )
+
+    # -- before the batch-size search ----------------------------------------------
+    def calibration_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """One calibration step on the first batch, with no optimizer step and no trace:
+        RNG, buffers and gradients are restored, the step counter too."""
+        assert self.engine is not None and self.cycle is not None
+        engine, cycle = self.engine, self.cycle
+        batch = first_train_batch(trainer, pl_module)
+        step, budget = self.step, engine.memory_budget
+        engine.memory_budget = None  # the search, not this step, finds what fits
+        try:
+            if cycle.begin(trainer.global_step) and self._exact_supported(trainer, pl_module):
+                cycle.add_exact_gradient(pl_module, step_loss(trainer, pl_module, batch, 0))
+            named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
+            with offline(pl_module):
+                output = self.run(call_training_step, trainer, pl_module, batch, 0)
+                loss = training_loss(output)
+                if loss is None or not loss.requires_grad or not named:
+                    return
+                grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+            previous = [p.grad for _, p in named]
+            try:
+                for (_, p), grad in zip(named, grads, strict=True):
+                    p.grad = grad
+                cycle.end(pl_module)
+            finally:
+                for (_, p), grad in zip(named, previous, strict=True):
+                    p.grad = grad
+        finally:
+            engine.memory_budget = budget
+            self.step = step
+            cycle.reset()  # the fit's first step calibrates afresh
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            rank_zero_warn(f"lightning_acgc: {message}")
