@@ -37,6 +37,8 @@ class CompressionSchema:
     log_every_n_steps: int = MISSING
     backend: str = MISSING
     min_numel: int = MISSING
+    compress_masks: bool = MISSING
+    strict: bool = MISSING
     seed: int = MISSING
     print_table: bool = MISSING
     scale_batch_size: str | None = MISSING

@@ -92,7 +92,8 @@ class ActivationCompression(Callback):
             :func:`lightning_acgc.policies.build_policy`): codec and codec options for
             ``"fixed"`` (``codec="quant", bits=2``); the error target,
             ``calibrate_every`` and the like for calibrating policies. An option the
-            policy does not take is an error naming the policy and its options.
+            policy does not take is an error naming the policy and its options; one
+            set to ``None`` is left out (its default).
             Without a codec, the default policy uses ``DEFAULT_POLICY_OPTIONS``.
 
     Raises:

@@ -30,10 +30,14 @@ DEFAULT_POLICY_OPTIONS: dict[str, dict[str, Any]] = {"fixed": {"codec": "quant",
 def make_policy(policy: str | Policy | None, backend: str, options: dict[str, Any]) -> Policy:
     """The policy ``ActivationCompression(policy, backend=..., **options)`` uses.
 
+    An option set to ``None`` is left out: the policy's or codec's own default (so one
+    config can list the options of several codecs, ``null`` where unused).
+
     Example:
-        >>> make_policy(None, "auto", {"bits": 2}).config.describe()
+        >>> make_policy(None, "auto", {"bits": 2, "error_bound": None}).config.describe()
         'codec=quant bits=2'
     """
+    options = {k: v for k, v in options.items() if v is not None}
     if policy is None:
         default = DEFAULT_POLICY_OPTIONS[CODEC_POLICY]["codec"]
         names_codec = options.keys() & {"codec", *codec_option_names(default)}
