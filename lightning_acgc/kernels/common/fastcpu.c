@@ -29,18 +29,38 @@ int acgc_group_stats(const float *x, int64_t n, int64_t gs, float *lo, float *hi
     for (int64_t g = 0; g < groups; g++) {
         const float *p = x + g * gs;
         int64_t len = (g + 1) * gs <= n ? gs : n - g * gs;
-        float mn = INFINITY, mx = -INFINITY, mp = INFINITY;
-        int nonfinite = 0;
-        for (int64_t i = 0; i < len; i++) {
-            float v = p[i];
-            nonfinite |= !(fabsf(v) <= 3.4028234663852886e38f); /* NaN or inf */
-            mn = v < mn ? v : mn;
-            mx = v > mx ? v : mx;
-            mp = (v > 0.0f && v < mp) ? v : mp;
+        /* 16 independent lanes (elementwise selects, which the compiler vectorizes; a
+         * float min/max reduction it would not, without -ffast-math). */
+        float mn[16], mx[16], mp[16];
+        int nf[16];
+        for (int k = 0; k < 16; k++) mn[k] = INFINITY, mx[k] = -INFINITY, mp[k] = INFINITY, nf[k] = 0;
+        int64_t full = len / 16 * 16;
+        for (int64_t i = 0; i < full; i += 16) {
+            for (int k = 0; k < 16; k++) {
+                float v = p[i + k];
+                nf[k] |= !(fabsf(v) <= 3.4028234663852886e38f); /* NaN or inf */
+                mn[k] = v < mn[k] ? v : mn[k];
+                mx[k] = v > mx[k] ? v : mx[k];
+                mp[k] = (v > 0.0f && v < mp[k]) ? v : mp[k];
+            }
         }
-        lo[g] = mn;
-        hi[g] = mx;
-        min_pos[g] = mp;
+        for (int64_t i = full; i < len; i++) {
+            float v = p[i];
+            nf[0] |= !(fabsf(v) <= 3.4028234663852886e38f);
+            mn[0] = v < mn[0] ? v : mn[0];
+            mx[0] = v > mx[0] ? v : mx[0];
+            mp[0] = (v > 0.0f && v < mp[0]) ? v : mp[0];
+        }
+        int nonfinite = 0;
+        for (int k = 1; k < 16; k++) {
+            mn[0] = mn[k] < mn[0] ? mn[k] : mn[0];
+            mx[0] = mx[k] > mx[0] ? mx[k] : mx[0];
+            mp[0] = mp[k] < mp[0] ? mp[k] : mp[0];
+        }
+        for (int k = 0; k < 16; k++) nonfinite |= nf[k];
+        lo[g] = mn[0];
+        hi[g] = mx[0];
+        min_pos[g] = mp[0];
         bad |= nonfinite;
     }
     return bad;
