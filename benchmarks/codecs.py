@@ -1,10 +1,12 @@
-"""Per-codec bytes and step time on a small ResNet-style CNN, measured side by side.
+"""Codec encode/decode time as a multiple of ``x.clone()`` of the same tensor.
 
-Prints one JSON line: for each codec, saved vs packed activation bytes of one training
-step, and the median step time relative to plain training, with the configurations
-interleaved in every round so that drift affects all alike.
+For each codec setting and tensor size (fp32, post-ReLU: about half zeros), times
+``codec.encode(x)``, ``codec.decode(packed)`` and ``x.clone()`` interleaved round by round,
+so that drift and other load affect all three alike. Prints one JSON line: per setting and
+size the median (and min) of encode and decode as a multiple of the clone's median (min),
+and GB/s counting bytes read plus written.
 
-    python benchmarks/codecs.py [--batch 64] [--width 32] [--rounds 7] [--threads 2]
+    python -m benchmarks.codecs [--sizes-mb 4 64] [--rounds 9] [--threads 2]
 """
 
 from __future__ import annotations
@@ -14,93 +16,74 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
-from torch import nn
 
-from lightning_acgc import compress_activations
+from lightning_acgc.codecs import build_codec
 
-CODECS: dict[str, dict] = {
-    "identity": {"codec": "identity"},
-    "quant8": {"codec": "quant", "bits": 8},
-    "quant4": {"codec": "quant", "bits": 4},
-    "quant2": {"codec": "quant", "bits": 2},
-    "bounded_rel1e-2": {"codec": "bounded", "error_bound": 1e-2, "relative": True},
-    "division": {"codec": "division"},
+SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "quant8": ("quant", {"bits": 8}),
+    "quant4": ("quant", {"bits": 4}),
+    "quant2": ("quant", {"bits": 2}),
+    "quant1": ("quant", {"bits": 1}),
+    "bounded_rel1e-2": ("bounded", {"error_bound": 1e-2, "relative": True}),
+    "division": ("division", {}),
+    "mask": ("mask", {}),
 }
 
 
-def make_cnn(width: int) -> nn.Module:
-    def block(c_in: int, c_out: int, stride: int) -> nn.Module:
-        return nn.Sequential(
-            nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU()
-        )
+def _time(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
-    return nn.Sequential(
-        block(3, width, 1),
-        block(width, width, 1),
-        block(width, 2 * width, 2),
-        block(2 * width, 2 * width, 1),
-        block(2 * width, 4 * width, 2),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(4 * width, 10),
-    )
+
+def _measure(name: str, x: torch.Tensor, rounds: int) -> dict[str, Any]:
+    codec_name, options = SETTINGS[name]
+    codec = build_codec(codec_name, options)
+    if codec_name == "mask":
+        x = x > 0
+    packed = codec.encode(x, seed=1)
+    codec.decode(packed)  # warm-up
+    x.clone()
+    times: dict[str, list[float]] = {"clone": [], "encode": [], "decode": []}
+    for r in range(rounds):
+        times["clone"].append(_time(x.clone))
+        times["encode"].append(_time(lambda r=r: codec.encode(x, seed=r)))
+        times["decode"].append(_time(lambda: codec.decode(packed)))
+    raw = x.numel() * x.element_size()
+    moved = {"clone": 2 * raw, "encode": raw + packed.nbytes, "decode": raw + packed.nbytes}
+    med = {k: statistics.median(v) for k, v in times.items()}
+    low = {k: min(v) for k, v in times.items()}
+    out: dict[str, Any] = {"ratio": round(raw / packed.nbytes, 2)}
+    for k in ("encode", "decode"):
+        out[f"{k}_x_clone"] = round(med[k] / med["clone"], 2)
+        out[f"{k}_x_clone_min"] = round(low[k] / low["clone"], 2)
+        out[f"{k}_gbps"] = round(moved[k] / med[k] / 1e9, 2)
+    out["clone_gbps"] = round(moved["clone"] / med["clone"] / 1e9, 2)
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--width", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--sizes-mb", type=int, nargs="+", default=[4, 64])
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--only", nargs="*", default=list(SETTINGS), choices=list(SETTINGS))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    model = make_cnn(args.width)
-    x = torch.randn(args.batch, 3, 32, 32)
-    y = torch.randint(0, 10, (args.batch,))
-
-    def step(options: dict | None) -> dict:
-        model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
-        if options is None:
-            nn.functional.cross_entropy(model(x), y).backward()
-            return {"time": time.perf_counter() - start}
-        with compress_activations(model=model, **options) as stats:
-            nn.functional.cross_entropy(model(x), y).backward()
-        return {
-            "time": time.perf_counter() - start,
-            "saved": stats.saved_bytes,
-            "packed": stats.packed_bytes,
-        }
-
-    configs: dict[str, dict | None] = {"plain": None, **CODECS}
-    times: dict[str, list[float]] = {k: [] for k in configs}
-    last: dict[str, dict] = {}
-    for options in configs.values():  # warm-up
-        step(options)
-    for _ in range(args.rounds):
-        for name, options in configs.items():
-            last[name] = step(options)
-            times[name].append(last[name]["time"])
-    plain = statistics.median(times["plain"])
-    result = {
+    gen = torch.Generator().manual_seed(0)
+    result: dict[str, Any] = {
         "benchmark": "codecs",
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
         f"torch {torch.__version__}",
-        "model": f"cnn width {args.width}, batch {args.batch}, 32x32",
-        "plain_step_ms": round(1e3 * plain, 2),
-        "codecs": {
-            name: {
-                "saved_bytes": last[name]["saved"],
-                "packed_bytes": last[name]["packed"],
-                "ratio": round(last[name]["saved"] / last[name]["packed"], 2),
-                "step_time_vs_plain": round(statistics.median(times[name]) / plain, 3),
-            }
-            for name in CODECS
-        },
+        "tensor": "fp32 post-ReLU (randn then relu)",
     }
+    for mb in args.sizes_mb:
+        x = torch.randn(mb * 2**20 // 4, generator=gen).relu_()
+        result[f"{mb}MB"] = {name: _measure(name, x, args.rounds) for name in args.only}
     print(json.dumps(result))
 
 

@@ -13,6 +13,8 @@ import lightning_acgc.codecs.bounded  # noqa: F401  (registers "bounded")
 from lightning_acgc.codecs import build_codec
 from lightning_acgc.codecs.bounded import BoundedCodec, BoundedConfig
 from lightning_acgc.kernels import bounded as bk
+from lightning_acgc.kernels.bounded import plan as bplan
+from lightning_acgc.kernels.bounded import reference as bref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 KINDS = [
@@ -261,12 +263,12 @@ def test_bit_stream_layout(b: int) -> None:
     """Code i of a block sits at bits [b*i, b*i+b) of a little-endian byte stream."""
     g = torch.Generator().manual_seed(b)
     codes = torch.randint(0, 2**b, (5, 8), generator=g, dtype=torch.int32)
-    data = bk._pack_block(codes.t().contiguous(), b)
+    data = bref._pack_block(codes.t().contiguous(), b)
     assert data.shape == (5, b) and data.dtype == torch.uint8
     for blk in range(5):
         stream = sum(int(c) << (b * i) for i, c in enumerate(codes[blk]))
         assert bytes(data[blk].tolist()) == stream.to_bytes(b, "little")
-    assert torch.equal(bk._unpack_block(data, b).t(), codes)
+    assert torch.equal(bref._unpack_block(data, b).t(), codes)
 
 
 def test_payload_layout() -> None:
@@ -295,7 +297,7 @@ def test_low_precision_output_needs_few_exceptions(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_violators_are_kept_exactly(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
     """With too large steps forced, the check still keeps the bound through exceptions."""
-    monkeypatch.setattr(bk, "_STEP_SLACK", 1.6)
+    monkeypatch.setattr(bplan, "_STEP_SLACK", 1.6)
     x = (torch.randn(40, 300) * 2).to(dtype)
     packed, y = _roundtrip(x, error_bound=0.05)
     assert packed.payload["exc_idx"].numel() > 0

@@ -1,4 +1,4 @@
-"""The ``division`` codec and its torch reference (kernels/division.py).
+"""The ``division`` codec and its torch reference (kernels/division/).
 
 Error bound used throughout: the decoder adds the same ``upsample(low)`` the encoder
 subtracted, so ``x_hat - x = r_hat - r`` for the residual ``r = x - upsample(low)``.
@@ -423,13 +423,13 @@ def test_triton_backend_without_fused_kernel_uses_quant_kernels() -> None:
     quant (and mask) kernels, here under TRITON_INTERPRET=1 (set by conftest)."""
     import importlib.util
 
-    from lightning_acgc.kernels.dispatch import triton_available
+    from lightning_acgc.kernels.common.dispatch import triton_available
 
-    pytest.importorskip("lightning_acgc.kernels.quant_triton")
+    pytest.importorskip("lightning_acgc.kernels.quant.triton")
     if not triton_available(torch.device("cpu")):
         pytest.skip("Triton cannot run on CPU here")
     x = torch.randn(2, 3, 13, 13)
-    if importlib.util.find_spec("lightning_acgc.kernels.mask_triton") is not None:
+    if importlib.util.find_spec("lightning_acgc.kernels.mask.triton") is not None:
         x = x.relu()  # also goes through the mask kernels
     codec = _codec(group_size=64)
     codec.backend = "triton"

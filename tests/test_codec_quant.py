@@ -167,3 +167,75 @@ def test_codecs_decline_integer_and_complex() -> None:
     codec = build_codec("quant")
     assert codec.encode(torch.arange(2000), 0) is None
     assert codec.encode(torch.randn(2000, dtype=torch.complex64), 0) is None
+
+
+def _assert_within_one_step(packed, x: torch.Tensor, y: torch.Tensor, group: int) -> None:
+    assert y.shape == x.shape and y.dtype == x.dtype
+    finite = _check_special(x, y)
+    if x.numel() == 0 or packed.codec == "identity":
+        assert torch.equal(x[finite], y[finite])
+        return
+    scale = packed.payload["scale"].abs().double()
+    steps = scale.repeat_interleave(group)[: x.numel()].view(-1)
+    xd, yd = x.reshape(-1).double(), y.reshape(-1).double()
+    ulp = torch.finfo(x.dtype).eps * xd.abs() + torch.finfo(x.dtype).tiny
+    f = finite.reshape(-1)
+    assert bool(((xd - yd).abs()[f] <= steps[f] * (1 + 1e-5) + ulp[f]).all())
+
+
+@settings(max_examples=60, deadline=None)
+@given(x=tensors(), bits=st.sampled_from(BITS), group=st.sampled_from([8, 64, 256, 2048]))
+def test_quant_bf16_meta_within_one_step(x: torch.Tensor, bits: int, group: int) -> None:
+    packed, y = _roundtrip("quant", x, bits=bits, group_size=group, meta="bf16")
+    _assert_within_one_step(packed, x, y, group)
+
+
+_F32_MAX = torch.finfo(torch.float32).max
+_ADVERSARIAL = {
+    "constant": torch.full((300,), 1.2345678),
+    "near_fp32_max": torch.tensor([-_F32_MAX, _F32_MAX, 0.0, 1.0] * 64),
+    "near_bf16_max": torch.tensor([3.38e38, -3.38e38, 1e38, 0.0] * 64),
+    "positive_near_max": torch.tensor([3.3e38, 3.0e38, 0.0, 3.39e38] * 64),
+    "specials": torch.tensor([float("nan"), float("inf"), -float("inf"), 1.0, 0.0, 2.0] * 40),
+    "denormal": torch.tensor([1e-45, 0.0, 7e-45, 1e-39, 2e-40] * 60),
+    "relu_denormal": torch.tensor([0.0, 1e-45, 0.0, 3.0] * 64),
+    "empty": torch.empty(0, 5),
+    "zero_dim": torch.tensor(-2.5),
+    "non_contiguous": torch.randn(40, 33).relu().t(),
+    "tiny_range": torch.tensor([1.0, 1.0 + 2**-23, 1.0 + 2**-22] * 100),
+}
+
+
+@pytest.mark.parametrize("meta", ["fp32", "bf16"])
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("name", list(_ADVERSARIAL))
+def test_quant_meta_adversarial(name: str, bits: int, meta: str) -> None:
+    x = _ADVERSARIAL[name]
+    packed, y = _roundtrip("quant", x, bits=bits, group_size=64, meta=meta)
+    _assert_within_one_step(packed, x, y, 64)
+    if bits > 1 and not bool((x < 0).any()):
+        assert torch.equal(x == 0, y == 0)  # zeros exact, no positive decodes to 0
+
+
+def test_quant_bf16_meta_costs_32_bits_per_group_and_is_kept_exact_enough() -> None:
+    x = torch.randn(64 * 256)
+    packed, _ = _roundtrip("quant", x, bits=2, meta="bf16")
+    assert packed.payload["lo"].dtype == torch.bfloat16
+    assert packed.nbytes == x.numel() * 2 // 8 + 64 * 4
+    # A group whose smallest positive value is below bf16's smallest subnormal keeps fp32.
+    packed, _ = _roundtrip("quant", torch.tensor([0.0, 1e-45, 2.0, 3.0] * 64), meta="bf16")
+    assert packed.payload["lo"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_quant_bf16_meta_is_unbiased_over_seeds(bits: int) -> None:
+    x = torch.cat([torch.randn(1000) * 3 + 1, torch.randn(1000).relu()])
+    ys = [_roundtrip("quant", x, s, bits=bits, meta="bf16")[1].double() for s in range(400)]
+    mean = torch.stack(ys).mean(0)
+    step = (x.double().max() - x.double().min()) / (2**bits - 1)
+    assert (mean - x.double()).mean().abs().item() < 0.01 * step.item()
+
+
+def test_quant_meta_rejects_unknown_format() -> None:
+    with pytest.raises(ValueError, match=r"meta='fp16' is not allowed; allowed values"):
+        build_codec("quant", {"meta": "fp16"})

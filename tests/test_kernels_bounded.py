@@ -7,9 +7,6 @@ in both directions (packed by one path, decoded by the other).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +18,7 @@ from lightning_acgc.kernels.bounded import (
     bounded_encode,
     bounded_encode_ref,
 )
-from lightning_acgc.kernels.bounded_triton import bounded_decode_triton, bounded_encode_triton
+from lightning_acgc.kernels.bounded.triton import bounded_decode_triton, bounded_encode_triton
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 _INT_OF = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -173,38 +170,6 @@ def test_argument_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(os.environ, "TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="CUDA tensor"):
         bounded_encode_triton(x, 1e-2, 64)
-
-
-_CUDA_COMPILE = """
-from lightning_acgc.kernels._triton_utils import compile_for_cuda
-from lightning_acgc.kernels import bounded_triton as m
-c = dict(GROUP=256, GROUP_P2=256, GPP=8)
-compile_for_cuda(m._stats_kernel, dict(x_ptr="*fp16", lo_ptr="*fp32", hi_ptr="*fp32",
-                 min_pos_ptr="*fp32", has_zero_ptr="*u8", n_bad_ptr="*i32", numel="i32",
-                 n_groups="i32"), dict(c, IDX64=False))
-enc = dict(x_ptr="*bf16", rows_ptr="*i64", lo_ptr="*fp32", step_ptr="*fp32",
-           fill_ptr="*fp32", width_ptr="*u8", off_ptr="*i64", raw_rank_ptr="*i64",
-           codes_ptr="*u8", raw_ptr="*i16", n_viol_ptr="*i32", flags_ptr="*u8",
-           numel="i32", n_rows="i32", eb32="fp32", fmax="fp32")
-for flags in (False, True):
-    compile_for_cuda(m._encode_kernel, enc, dict(c, OUT_KIND=2, FLAGS=flags,
-                     INTERPRET=False, IDX64=False))
-compile_for_cuda(m._decode_kernel, dict(codes_ptr="*u8", lo_ptr="*fp32", step_ptr="*fp32",
-                 width_ptr="*u8", off_ptr="*i64", raw_rank_ptr="*i64", raw_ptr="*fp16",
-                 out_ptr="*fp16", numel="i32", n_groups="i32", fmax="fp32"),
-                 dict(c, OUT_KIND=1, INTERPRET=False, IDX64=False))
-"""
-
-
-def test_kernels_compile_for_cuda() -> None:
-    """Compile the kernels for sm_90 (no GPU needed): what the interpreter cannot check."""
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, "-c", _CUDA_COMPILE], env=env, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
 
 
 @pytest.mark.gpu

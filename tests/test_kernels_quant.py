@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from lightning_acgc.codecs import build_codec
-from lightning_acgc.kernels import _triton_utils
+from lightning_acgc.kernels.common import triton_utils as _triton_utils
 from lightning_acgc.kernels.quant import (
     quant_decode,
     quant_decode_ref,
     quant_encode,
     quant_encode_ref,
 )
-from lightning_acgc.kernels.quant_triton import quant_decode_triton, quant_encode_triton
+from lightning_acgc.kernels.quant.triton import quant_decode_triton, quant_encode_triton
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 BITS = [1, 2, 4, 8]
@@ -264,39 +264,11 @@ def test_argument_errors(monkeypatch: pytest.MonkeyPatch) -> None:
         quant_encode_triton(x, 2, 64, 0)
 
 
-_CUDA_COMPILE = """
-from lightning_acgc.kernels._triton_utils import compile_for_cuda
-from lightning_acgc.kernels import quant_triton as m
-enc = dict(x_ptr="*bf16", noise_ptr="*fp32", codes_ptr="*u8", lo_ptr="*fp32",
-           scale_ptr="*fp32", status_ptr="*u8", numel="i32", n_groups="i32", seed="i64")
-dec = dict(codes_ptr="*u8", lo_ptr="*fp32", scale_ptr="*fp32", f64_ptr="*u8",
-           out_ptr="*fp64", numel="i32", n_groups="i32")
-for bits, noise in ((1, False), (2, True), (8, False)):
-    compile_for_cuda(m._quant_encode_kernel, enc, dict(
-        GROUP=256, GROUP_P2=256, BITS=bits, GPP=8, USE_NOISE=noise, IDX64=False,
-        INTERPRET=False))
-for kind, ptr in ((2, "*i16"), (3, "*fp64")):
-    compile_for_cuda(m._quant_decode_kernel, {**dec, "out_ptr": ptr}, dict(
-        GROUP=64, GROUP_P2=64, BITS=4, GPP=32, IDX64=True, OUT_KIND=kind))
-"""
-
-
-def test_kernels_compile_for_cuda() -> None:
-    """Compile the kernels for sm_90 (no GPU needed): what the interpreter cannot check."""
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, "-c", _CUDA_COMPILE], env=env, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-
-
 _TRACE = """
 import torch
 from torch._functorch.aot_autograd import aot_module_simplified
-from lightning_acgc.kernels.mask_triton import _mask_pack_core
-from lightning_acgc.kernels.quant_triton import _quant_decode_core, _quant_encode_core
+from lightning_acgc.kernels.mask.triton import _mask_pack_core
+from lightning_acgc.kernels.quant.triton import _quant_decode_core, _quant_encode_core
 
 graphs = []
 

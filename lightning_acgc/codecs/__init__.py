@@ -1,6 +1,13 @@
 """Codecs: what a saved tensor becomes. Importing this package registers the built-ins."""
 
-from lightning_acgc.codecs import bounded, division, identity, mask, quant  # noqa: F401  (registration)
+from lightning_acgc.codecs import (  # noqa: F401  (registration)
+    bounded,
+    division,
+    identity,
+    intpack,
+    mask,
+    quant,
+)
 from lightning_acgc.codecs.base import Codec, Packed
 from lightning_acgc.codecs.registry import (
     available_codecs,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_acgc.codecs._checks import check_bits, check_group_size
+from lightning_acgc.codecs._checks import check_bits, check_choice, check_group_size
 from lightning_acgc.codecs.base import Packed
 from lightning_acgc.codecs.identity import raw_packed
 from lightning_acgc.codecs.registry import register_codec
@@ -21,15 +21,20 @@ class QuantConfig:
 
     Args:
         bits: bits per value, one of 1, 2, 4, 8.
-        group_size: values sharing one min/scale pair (positive multiple of 8).
+        group_size: values sharing one min/scale pair (positive multiple of 8; larger
+            groups cost less metadata, e.g. 1024).
+        meta: how each group's min and step are stored: ``"fp32"`` (64 bits per group)
+            or ``"bf16"`` (32 bits, rounded so that every value stays within one step).
     """
 
     bits: int = 2
     group_size: int = 256
+    meta: str = "fp32"
 
     def __post_init__(self) -> None:
         check_bits("bits", self.bits)
         check_group_size("group_size", self.group_size)
+        check_choice("meta", self.meta, qk.META_FORMATS)
 
 
 @register_codec("quant", QuantConfig)
@@ -56,7 +61,9 @@ class QuantCodec:
         if x.numel() == 0:
             return raw_packed(x)
         bits, group_size = self.config.bits, self.config.group_size
-        payload = qk.quant_encode(x, bits, group_size, seed, backend=self.backend)
+        payload = qk.quant_encode(
+            x, bits, group_size, seed, backend=self.backend, meta=self.config.meta
+        )
         if not bool(torch.isfinite(payload["scale"]).all()):  # step beyond float32
             return raw_packed(x)
         meta = {"bits": bits, "group_size": group_size, "seed": seed}

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lightning_acgc.codecs.base import Codec, Packed, span_nbytes
+from lightning_acgc.codecs.intpack import IntPackCodec, IntPackConfig
 from lightning_acgc.codecs.mask import MaskCodec, MaskConfig
 from lightning_acgc.engine.meter import CompressionStats, SiteRecord
 from lightning_acgc.engine.policy import Policy
@@ -115,6 +116,7 @@ class ActivationCompressor:
         self.packed_log: list[Packed] | None = [] if keep_packed else None
         self.step = 0
         self._mask_codec = MaskCodec(MaskConfig())
+        self._int_codec = IntPackCodec(IntPackConfig())  # integers: lossless
         self._resident: set[int] = set()
         self._dedup: dict[tuple, tuple[weakref.ReferenceType, weakref.ReferenceType]] = {}
         self._views: dict[tuple, weakref.ReferenceType] = {}
@@ -262,7 +264,9 @@ class ActivationCompressor:
                 return self._keep(site, t, raw, "bool")
             codec = self._mask_codec
         elif not t.is_floating_point():
-            return self._keep(site, t, raw, "not float")
+            if t.numel() < self.min_numel:
+                return self._keep(site, t, raw, "tiny")
+            codec = self._int_codec
         elif t.numel() < self.min_numel:
             return self._keep(site, t, raw, "tiny")
         else:
@@ -290,7 +294,8 @@ class ActivationCompressor:
         saved = _Saved(packed, codec, site.key)
         weakref.finalize(saved, self._release, nbytes)
         self._dedup[key] = (weakref.ref(_anchor(t)), weakref.ref(saved))
-        settings = self.policy.describe(codec) if codec is not self._mask_codec else "1 bit"
+        fixed = {id(self._mask_codec): "1 bit", id(self._int_codec): "lossless"}
+        settings = fixed.get(id(codec)) or self.policy.describe(codec)
         self._record(site, t, codec.name, settings, raw, nbytes)
         if self.packed_log is not None:
             self.packed_log.append(packed)

@@ -1,5 +1,5 @@
 """Triton kernels of the ``mask`` codec: 1-bit pack and unpack of boolean tensors, in the
-layout of :mod:`lightning_acgc.kernels.mask` (bit ``i % 8`` of byte ``i // 8`` is element
+layout of :mod:`lightning_acgc.kernels.mask.reference` (bit ``i % 8`` of byte ``i // 8`` is element
 ``i``, tail bits zero). Lossless and deterministic: bit-identical to the reference.
 """
 
@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from lightning_acgc.kernels._triton_utils import (
+from lightning_acgc.kernels.common.triton_utils import (
     LAUNCH_OPTIONS,
     check_contiguous,
     check_device,
@@ -99,7 +99,7 @@ def _mask_unpack_core(packed: torch.Tensor, numel: int) -> torch.Tensor:
 
 def mask_pack_triton(mask: torch.Tensor) -> torch.Tensor:
     """Pack a bool tensor into ``ceil(numel / 8)`` bytes, as
-    :func:`~lightning_acgc.kernels.mask.mask_pack_ref`.
+    :func:`~lightning_acgc.kernels.mask.reference.mask_pack_ref`.
 
     Args:
         mask: contiguous bool tensor, any shape, on a CUDA device (or any device under
@@ -123,7 +123,7 @@ def mask_pack_triton(mask: torch.Tensor) -> torch.Tensor:
 
 def mask_unpack_triton(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """The first ``numel`` bits of ``packed`` as a flat bool tensor, as
-    :func:`~lightning_acgc.kernels.mask.mask_unpack_ref`.
+    :func:`~lightning_acgc.kernels.mask.reference.mask_unpack_ref`.
 
     Args:
         packed: contiguous uint8 tensor of at least ``ceil(numel / 8)`` bytes.

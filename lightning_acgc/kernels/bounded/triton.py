@@ -1,5 +1,5 @@
 """Triton kernels of the ``bounded`` (error-bounded) codec, same format as the torch
-reference in :mod:`lightning_acgc.kernels.bounded` (read its docstring for the format).
+reference in :mod:`lightning_acgc.kernels.bounded.reference` (read its docstring for the format).
 
 The codec is deterministic, so the payload and the decoded values are bit-identical to
 the reference's. Work split:
@@ -7,7 +7,7 @@ the reference's. Work split:
 1. ``_stats_kernel`` (one pass over ``x``): per group the finite min/max, the smallest
    positive value, whether it holds a zero and how many NaN/inf.
 2. torch on the ``G`` per-group values: the bound, each group's kind, step, base and code
-   width (the reference's :func:`~lightning_acgc.kernels.bounded.group_plan`), the byte
+   width (the reference's :func:`~lightning_acgc.kernels.bounded.plan.group_plan`), the byte
    offsets of the variable-width groups (a cumsum) and the ranks of the raw groups.
 3. ``_encode_kernel`` (second pass): codes rounded half to even, packed at each group's
    width into its byte range, raw groups copied, the decode check counted per group.
@@ -24,8 +24,15 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from lightning_acgc.kernels import bounded as _ref
-from lightning_acgc.kernels._triton_utils import (
+from lightning_acgc.kernels.bounded.plan import (
+    RAW_WIDTH,
+    abs_bound,
+    check_args,
+    f32_down,
+    group_plan,
+)
+from lightning_acgc.kernels.common.nonfinite import restore_exceptions
+from lightning_acgc.kernels.common.triton_utils import (
     LAUNCH_OPTIONS,
     check_contiguous,
     check_device,
@@ -36,7 +43,6 @@ from lightning_acgc.kernels._triton_utils import (
     rows_per_program,
     store_narrow,
 )
-from lightning_acgc.kernels.nonfinite import restore_exceptions
 
 __all__ = ["bounded_decode_triton", "bounded_encode_triton"]
 
@@ -250,7 +256,7 @@ def _decode_kernel(
 def _layout(width: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """Per group the first byte of its codes and its rank among the raw groups; the total
     code bytes and raw groups (one host sync)."""
-    raw = width == _ref.RAW_WIDTH
+    raw = width == RAW_WIDTH
     coded_width = width.to(torch.int64) * ~raw
     ends = torch.cumsum(coded_width, 0)
     raw_ends = torch.cumsum(raw.to(torch.int64), 0)
@@ -307,7 +313,7 @@ def _group_params(
     dtype: torch.dtype,
     group_size: int,
 ) -> tuple[torch.Tensor, ...]:
-    """The per-group decisions (:func:`~lightning_acgc.kernels.bounded.group_plan`, as
+    """The per-group decisions (:func:`~lightning_acgc.kernels.bounded.plan.group_plan`, as
     the reference makes them) from the group statistics: ``(width, lo_p, step_p, fill,
     eb)``. NaN/inf count as the group's finite min, 0 in a group without finite values
     (the reference's ``fill_nonfinite_rows``)."""
@@ -315,10 +321,8 @@ def _group_params(
     lo = torch.where(has_finite, lo, 0.0)
     hi = torch.where(has_finite, hi, 0.0)
     any_bad = bool((n_bad > 0).any())
-    eb = _ref._abs_bound(lo, hi, has_finite if any_bad else None, error_bound, relative)
-    plan = _ref.group_plan(
-        lo, hi, eb, dtype, has_zero=lambda: has_zero != 0, min_pos=lambda: min_pos
-    )
+    eb = abs_bound(lo, hi, has_finite if any_bad else None, error_bound, relative)
+    plan = group_plan(lo, hi, eb, dtype, has_zero=lambda: has_zero != 0, min_pos=lambda: min_pos)
     return plan.width, plan.lo, plan.step, lo, eb
 
 
@@ -326,7 +330,7 @@ def bounded_encode_triton(
     x: torch.Tensor, error_bound: float, group_size: int, relative: bool = False
 ) -> dict[str, torch.Tensor]:
     """Encode ``x`` in the format of
-    :func:`~lightning_acgc.kernels.bounded.bounded_encode_ref`, bit for bit.
+    :func:`~lightning_acgc.kernels.bounded.reference.bounded_encode_ref`, bit for bit.
 
     Args:
         x: non-empty contiguous float32/float16/bfloat16 tensor on a CUDA device (or any
@@ -347,7 +351,7 @@ def bounded_encode_triton(
     check_device(x, "x")
     check_dtype(x, "x", _DTYPES)
     check_contiguous(x, "x")
-    _ref._check_args(x.dtype, group_size)
+    check_args(x.dtype, group_size)
     if not error_bound > 0 or error_bound == float("inf"):
         raise ValueError(f"error_bound={error_bound!r} must be a finite number > 0")
     numel = x.numel()
@@ -363,7 +367,7 @@ def bounded_encode_triton(
     codes = torch.zeros(n_code_bytes, dtype=torch.uint8, device=dev)
     raw = torch.empty(n_raw * group_size, dtype=dtype, device=dev)
     n_viol = torch.empty(n_groups, dtype=torch.int32, device=dev)
-    eb32 = float(_ref._f32_down(eb))
+    eb32 = float(f32_down(eb))
     group_p2 = next_power_of_2(group_size)
     raw_bits = raw.view(_bits_dtype(dtype))
     fmax = torch.finfo(dtype).max
@@ -489,7 +493,7 @@ def bounded_decode_triton(
         TypeError: a payload tensor has the wrong dtype.
         ValueError: unsupported ``dtype``, bad ``group_size``, or sizes that do not fit.
     """
-    _ref._check_args(dtype, group_size)
+    check_args(dtype, group_size)
     width, lo, step = payload["width"], payload["lo"], payload["step"]
     codes, raw = payload["codes"], payload["raw"]
     check_device(lo, "payload['lo']")

@@ -1,5 +1,5 @@
 """Triton path of the ``division`` codec, same format as the torch reference in
-:mod:`lightning_acgc.kernels.division` (read its docstring for the format).
+:mod:`lightning_acgc.kernels.division.reference` (read its docstring for the format).
 
 Kernels:
 
@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from lightning_acgc.kernels import division as _ref
-from lightning_acgc.kernels._triton_utils import (
+from lightning_acgc.kernels.common.nonfinite import restore_exceptions
+from lightning_acgc.kernels.common.triton_utils import (
     LAUNCH_OPTIONS,
     block_elems,
     check_contiguous,
@@ -44,15 +44,25 @@ from lightning_acgc.kernels._triton_utils import (
     next_power_of_2,
     store_narrow,
 )
-from lightning_acgc.kernels.mask_triton import mask_pack_triton
-from lightning_acgc.kernels.nonfinite import restore_exceptions
-from lightning_acgc.kernels.quant_triton import quant_decode_triton, quant_encode_triton
+from lightning_acgc.kernels.division.reference import (
+    Kernels,
+    division_decode_with,
+    division_encode_with,
+    pool_axes,
+    zero_pattern,
+)
+from lightning_acgc.kernels.mask.triton import mask_pack_triton, mask_unpack_triton
+from lightning_acgc.kernels.quant.triton import quant_decode_triton, quant_encode_triton
 
 __all__ = ["division_decode_triton", "division_encode_triton", "division_lowpass_triton"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LOW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FP32_MAX = torch.finfo(torch.float32).max
+# The quant and mask kernels the division format is written with on the rare paths.
+_TRITON_KERNELS = Kernels(
+    quant_encode_triton, quant_decode_triton, mask_pack_triton, mask_unpack_triton
+)
 
 
 def _tile_shape(rows: int, cols: int) -> tuple[int, int]:
@@ -252,9 +262,10 @@ def _check_block(block: int) -> None:
 
 
 def division_lowpass_triton(x: torch.Tensor, block: int) -> torch.Tensor:
-    """Block average pool of ``x`` over :func:`~lightning_acgc.kernels.division.pool_axes`,
-    as :func:`~lightning_acgc.kernels.division.division_lowpass_ref` (float32 sums in tile
-    order).
+    """Block average pool of ``x`` over
+    :func:`~lightning_acgc.kernels.division.reference.pool_axes`, as
+    :func:`~lightning_acgc.kernels.division.reference.division_lowpass_ref` (float32 sums
+    in tile order).
 
     Args:
         x: contiguous float32/float16/bfloat16 tensor of 1 to 5 dimensions.
@@ -275,7 +286,7 @@ def division_lowpass_triton(x: torch.Tensor, block: int) -> torch.Tensor:
     canon = _canonical(x.shape)
     if canon is None:
         raise ValueError(f"x has {x.ndim} dimensions; the kernels take 1 to 5")
-    axes = _ref.pool_axes(x.ndim)
+    axes = pool_axes(x.ndim)
     shape = [-(-s // block) if i in axes else s for i, s in enumerate(x.shape)]
     if x.numel() == 0:
         return torch.empty(shape, dtype=torch.float32, device=x.device)
@@ -292,7 +303,7 @@ def division_encode_triton(
     noise: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Encode ``x`` in the format of
-    :func:`~lightning_acgc.kernels.division.division_encode_ref`.
+    :func:`~lightning_acgc.kernels.division.reference.division_encode_ref`.
 
     Args:
         x: non-empty float32/float16/bfloat16 tensor on a CUDA device (or any device under
@@ -334,14 +345,15 @@ def division_encode_triton(
     if rare:
         # NaN/inf, huge values or unsupported layouts: the reference's code, with the
         # Triton quant and mask kernels.
-        return _ref._encode(x, block, residual_bits, group_size, low_dtype, seed, "triton", noise)
+        args = (x, block, residual_bits, group_size, low_dtype, seed, noise)
+        return division_encode_with(_TRITON_KERNELS, *args)
     low = low32.to(low_dtype)
     if low_dtype != torch.float32 and not bool(torch.isfinite(low).all()):
         low = low32  # averages beyond low_dtype's range: keep them in float32
     o, a_len, b_len, w, last_pooled = canon
     r = _tile_core(x, low, None, None, o, a_len, b_len, w, last_pooled, block, False, x.dtype)
     q = quant_encode_triton(r, residual_bits, group_size, seed, noise=noise)
-    axes = _ref.pool_axes(x.ndim)
+    axes = pool_axes(x.ndim)
     payload = {
         "low": low.view([-(-s // block) if i in axes else s for i, s in enumerate(x.shape)]),
         "codes": q["codes"],
@@ -353,7 +365,7 @@ def division_encode_triton(
         "exc_val": torch.empty(0, dtype=x.dtype, device=x.device),
     }
     if lo_f == 0 and hi_f > 0:  # non-negative with exact zeros: keep the zero pattern
-        payload.update(_ref.zero_pattern(x, mask_pack_triton))
+        payload.update(zero_pattern(x, mask_pack_triton))
     return payload
 
 
@@ -391,9 +403,10 @@ def division_decode_triton(
     check_device(low, "payload['low']")
     canon = _canonical(shape)
     if canon is None:
-        return _ref._decode(payload, shape, dtype, block, residual_bits, group_size, "triton")
+        args = (payload, shape, dtype, block, residual_bits, group_size)
+        return division_decode_with(_TRITON_KERNELS, *args)
     numel = shape.numel()
-    axes = _ref.pool_axes(len(shape))
+    axes = pool_axes(len(shape))
     expected = tuple(-(-s // block) if i in axes else s for i, s in enumerate(shape))
     if tuple(low.shape) != expected:
         raise ValueError(f"payload['low'] has shape {tuple(low.shape)}; expected {expected}")

@@ -1,17 +1,19 @@
 """Triton kernels of the ``quant`` codec: fused encode and decode, same format as the
-torch reference in :mod:`lightning_acgc.kernels.quant` (read its docstring for the format).
+torch reference in :mod:`lightning_acgc.kernels.quant.reference` (read its docstring for
+the format).
 
 Encode is one pass over the data: each program loads a ``[GROUPS_PER_PROG, group]`` block,
 reduces min/max (and the smallest positive value for zero-kept groups), draws Philox noise
-(``tl.rand4x``) or reads injected noise, rounds, packs the codes to bytes and writes them
-with ``lo``/``scale``. Decode unpacks and writes straight into the output dtype.
+(``tl.rand4x``; the reference hashes (seed, index) instead) or reads injected noise,
+rounds, packs the codes to bytes and writes them with ``lo``/``scale``. Decode unpacks and
+writes straight into the output dtype.
 
 Exactness against the reference:
 
 * With injected ``noise`` the payload is bit-identical to ``quant_encode_ref(..., noise)``
   (same float32 operations in the same order: IEEE division ``div_rn``, ``mul.rn`` so that
   the compiler cannot fuse ``t * inv + u`` into an FMA).
-* Without it the codes come from Triton's Philox stream, not torch's generator: valid
+* Without it the codes come from Triton's Philox stream, not the reference's hash: valid
   codes of the same distribution (unbiased, within one step), not the same bytes.
 * Decode equals ``quant_decode_ref`` bit for bit, including its float64 path: the
   reference computes ``lo + q * step`` with ``addcmul``, which torch evaluates as one FMA;
@@ -30,7 +32,9 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from lightning_acgc.kernels._triton_utils import (
+from lightning_acgc.kernels.common.groups import group_view
+from lightning_acgc.kernels.common.nonfinite import fill_nonfinite_rows, restore_exceptions
+from lightning_acgc.kernels.common.triton_utils import (
     LAUNCH_OPTIONS,
     check_contiguous,
     check_device,
@@ -43,8 +47,7 @@ from lightning_acgc.kernels._triton_utils import (
     store_narrow,
     uniform_rows,
 )
-from lightning_acgc.kernels.nonfinite import fill_nonfinite_rows, restore_exceptions
-from lightning_acgc.kernels.quant import group_view, quant_encode_ref
+from lightning_acgc.kernels.quant.reference import quant_encode_ref
 
 __all__ = ["quant_decode_triton", "quant_encode_triton"]
 
@@ -297,7 +300,8 @@ def quant_encode_triton(
     seed: int,
     noise: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Encode ``x`` in the format of :func:`~lightning_acgc.kernels.quant.quant_encode_ref`.
+    """Encode ``x`` in the format of
+    :func:`~lightning_acgc.kernels.quant.reference.quant_encode_ref`.
 
     Args:
         x: non-empty contiguous float32/float16/bfloat16 tensor on a CUDA device (or any

@@ -1,4 +1,4 @@
-"""DIVISION dual-precision coding — pure-torch reference and CPU path.
+"""DIVISION dual-precision coding — pure-torch reference (the specification).
 
 DIVISION (ICML 2023) keeps the low-frequency part of an activation map at higher
 precision and the high-frequency residual at very few bits.
@@ -16,7 +16,7 @@ Format (shared with the Triton kernels):
   in float32 (float64 where a float32 sum overflows).
 * ``codes``, ``lo``, ``scale``: the float32 residual ``r = x - upsample(low)`` (flat,
   row-major, the *stored* ``low`` upsampled, so that rounding ``low`` costs nothing)
-  in the format of :mod:`lightning_acgc.kernels.quant` with ``residual_bits``,
+  in the format of :mod:`lightning_acgc.kernels.quant.reference` with ``residual_bits``,
   ``group_size`` and the seed.
 * ``res_exc_idx``/``res_exc_val``: that format's exception list; always empty, since
   the residual is finite.
@@ -25,7 +25,7 @@ Format (shared with the Triton kernels):
   overflows float32. Before pooling each NaN/inf is replaced by the mean of the finite
   values of its tile (0 if there is none), so it neither moves the tile's average nor
   widens the residual's range.
-* ``zero_mask`` (uint8, 1 bit per element, layout of :mod:`lightning_acgc.kernels.mask`)
+* ``zero_mask`` (uint8, 1 bit per element, layout of :mod:`lightning_acgc.kernels.mask.reference`)
   and ``min_pos`` (float32, shape (1,), the smallest positive value): present only when
   the finite values are non-negative and some are exactly 0 (ReLU outputs). Decoding
   writes exact zeros there and clamps every other value to at least ``min_pos``, so the
@@ -41,19 +41,21 @@ rounding is unbiased.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
-from lightning_acgc.kernels.dispatch import use_triton
-from lightning_acgc.kernels.mask import mask_pack, mask_unpack
-from lightning_acgc.kernels.nonfinite import restore_exceptions
-from lightning_acgc.kernels.quant import quant_decode, quant_encode, quant_encode_ref
+from lightning_acgc.kernels.common.nonfinite import restore_exceptions
+from lightning_acgc.kernels.mask.reference import mask_pack_ref, mask_unpack_ref
+from lightning_acgc.kernels.quant.reference import quant_decode_ref, quant_encode_ref
 
 __all__ = [
-    "division_decode",
+    "REFERENCE_KERNELS",
+    "Kernels",
     "division_decode_ref",
-    "division_encode",
+    "division_decode_with",
     "division_encode_ref",
+    "division_encode_with",
     "division_lowpass_ref",
     "division_upsample_ref",
     "pool_axes",
@@ -231,17 +233,31 @@ def _set_aside_nonfinite(
     return torch.where(finite, xf, fill), idx, vals
 
 
-def _encode(
+class Kernels(NamedTuple):
+    """The quant and mask functions a division encoder/decoder calls (reference, compiled
+    CPU or Triton), with the signatures of the references."""
+
+    quant_encode: Callable[..., dict[str, torch.Tensor]]
+    quant_decode: Callable[..., torch.Tensor]
+    mask_pack: Callable[[torch.Tensor], torch.Tensor]
+    mask_unpack: Callable[[torch.Tensor, int], torch.Tensor]
+
+
+REFERENCE_KERNELS = Kernels(quant_encode_ref, quant_decode_ref, mask_pack_ref, mask_unpack_ref)
+
+
+def division_encode_with(
+    kernels: Kernels,
     x: torch.Tensor,
     block: int,
     residual_bits: int,
     group_size: int,
     low_dtype: torch.dtype,
     seed: int,
-    backend: str,
     noise: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The encoder; ``backend`` picks the quant and mask kernels it calls."""
+    """The encoder (the one place that writes the payload), calling ``kernels``; with
+    ``noise`` the residual goes through the quant reference with that noise."""
     axes = _check_block_axes(x.ndim, block, None)
     x0 = x.to(torch.float32, memory_format=torch.contiguous_format)
     xf = x0
@@ -270,7 +286,7 @@ def _encode(
     if noise is not None:
         q = quant_encode_ref(r, residual_bits, group_size, seed, noise=noise)
     else:
-        q = quant_encode(r, residual_bits, group_size, seed, backend=backend)
+        q = kernels.quant_encode(r, residual_bits, group_size, seed)
     payload = {
         "low": low,
         "codes": q["codes"],
@@ -282,7 +298,7 @@ def _encode(
         "exc_val": exc_val,
     }
     if bool((lo == 0) & (hi > 0)):  # non-negative, with exact zeros: keep the zero pattern
-        payload.update(zero_pattern(x0, lambda zero: mask_pack(zero, backend)))
+        payload.update(zero_pattern(x0, kernels.mask_pack))
     return payload
 
 
@@ -296,16 +312,16 @@ def zero_pattern(
     return {"zero_mask": pack_mask(x == 0), "min_pos": min_pos}
 
 
-def _decode(
+def division_decode_with(
+    kernels: Kernels,
     payload: dict[str, torch.Tensor],
     shape: Sequence[int],
     dtype: torch.dtype,
     block: int,
     residual_bits: int,
     group_size: int,
-    backend: str,
 ) -> torch.Tensor:
-    """The decoder; ``backend`` picks the quant and mask kernels it calls."""
+    """The decoder, calling ``kernels``."""
     shape = torch.Size(shape)
     axes = _check_block_axes(len(shape), block, None)
     numel = shape.numel()
@@ -316,12 +332,12 @@ def _decode(
         "exc_idx": payload["res_exc_idx"],
         "exc_val": payload["res_exc_val"],
     }
-    r = quant_decode(qp, residual_bits, group_size, numel, torch.float32, backend=backend)
+    r = kernels.quant_decode(qp, residual_bits, group_size, numel, torch.float32)
     out = _with_upsampled(r.view(shape), payload["low"].float(), block, axes, subtract=False)
     fmax = torch.finfo(dtype).max
     out = out.clamp_(-fmax, fmax)
     if "zero_mask" in payload:
-        zero = mask_unpack(payload["zero_mask"], numel, backend).view(shape)
+        zero = kernels.mask_unpack(payload["zero_mask"], numel).view(shape)
         out = torch.maximum(out, payload["min_pos"].view(())).masked_fill_(zero, 0.0)
     flat = out.reshape(-1).to(dtype)
     flat = restore_exceptions(flat, payload["exc_idx"], payload["exc_val"])
@@ -352,7 +368,8 @@ def division_encode_ref(
     Returns:
         The payload described at the top of this module.
     """
-    return _encode(x, block, residual_bits, group_size, low_dtype, seed, "torch", noise)
+    args = (x, block, residual_bits, group_size, low_dtype, seed, noise)
+    return division_encode_with(REFERENCE_KERNELS, *args)
 
 
 def division_decode_ref(
@@ -364,38 +381,5 @@ def division_decode_ref(
     group_size: int,
 ) -> torch.Tensor:
     """Decode a payload of :func:`division_encode_ref` to a tensor of ``shape``, ``dtype``."""
-    return _decode(payload, shape, dtype, block, residual_bits, group_size, "torch")
-
-
-def division_encode(
-    x: torch.Tensor,
-    block: int,
-    residual_bits: int,
-    group_size: int,
-    low_dtype: torch.dtype,
-    seed: int,
-    backend: str = "auto",
-) -> dict[str, torch.Tensor]:
-    """Encode through Triton or the torch reference (see :func:`use_triton`)."""
-    if use_triton(x, backend):
-        from lightning_acgc.kernels.division_triton import division_encode_triton
-
-        return division_encode_triton(x, block, residual_bits, group_size, low_dtype, seed)
-    return division_encode_ref(x, block, residual_bits, group_size, low_dtype, seed)
-
-
-def division_decode(
-    payload: dict[str, torch.Tensor],
-    shape: Sequence[int],
-    dtype: torch.dtype,
-    block: int,
-    residual_bits: int,
-    group_size: int,
-    backend: str = "auto",
-) -> torch.Tensor:
-    """Decode through Triton or the torch reference (see :func:`use_triton`)."""
-    if use_triton(payload["low"], backend):
-        from lightning_acgc.kernels.division_triton import division_decode_triton
-
-        return division_decode_triton(payload, shape, dtype, block, residual_bits, group_size)
-    return division_decode_ref(payload, shape, dtype, block, residual_bits, group_size)
+    args = (payload, shape, dtype, block, residual_bits, group_size)
+    return division_decode_with(REFERENCE_KERNELS, *args)

@@ -1,6 +1,7 @@
 """Helpers shared by the Triton launchers: argument checks, block sizing, seeded noise.
 
-Only the ``*_triton`` modules import this file, so importing it may import triton.
+Only the ``triton`` modules of the kernel families import this file, so importing it
+may import triton.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_acgc.kernels.dispatch import triton_available
+from lightning_acgc.kernels.common.dispatch import triton_available
 
 __all__ = [
     "LAUNCH_OPTIONS",

@@ -1,0 +1,109 @@
+"""Build (once, with the machine's C compiler) and load the compiled CPU kernels.
+
+``fastcpu.c`` needs no torch headers: the kernels receive data pointers
+(``tensor.data_ptr()``) through ctypes. On first use it is compiled with ``cc -O3
+-fopenmp`` into a cache folder (``$LIGHTNING_ACGC_CACHE``, else
+``$XDG_CACHE_HOME/lightning_acgc``, else ``~/.cache/lightning_acgc``), keyed by a hash of
+the source, the flags and the CPU, which prints one line. Without a compiler (or with
+``LIGHTNING_ACGC_CPU_LIB=0``) the codecs use their pure-torch references, and one line
+says so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+__all__ = ["cpu_library", "cpu_threads"]
+
+_SOURCE = Path(__file__).with_name("fastcpu.c")
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-lm"]
+
+_I64, _I32, _U32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p
+_SIGNATURES = {
+    "acgc_group_stats": (_I32, [_P, _I64, _I64, _P, _P, _P, _I32]),
+    "acgc_quant_pack": (None, [_P, _I64, _I64, _I32, _P, _P, _P, _P, _U32, _P, _I32]),
+    "acgc_quant_unpack": (None, [_P, _I64, _I64, _I32, _P, _P, _P, _P, _I32]),
+    "acgc_mask_pack": (None, [_P, _I64, _P, _I32]),
+    "acgc_mask_unpack": (None, [_P, _I64, _P, _I32]),
+}
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("LIGHTNING_ACGC_CACHE"):
+        return Path(os.environ["LIGHTNING_ACGC_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "lightning_acgc"
+
+
+def _cpu_id() -> bytes:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return b""
+    return next((ln for ln in lines if ln.startswith("flags")), "").encode()
+
+
+def _notice(msg: str) -> None:
+    print(f"lightning_acgc: {msg}", file=sys.stderr)
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        subprocess.run(
+            [compiler, *_FLAGS, str(_SOURCE), "-o", str(out)],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        os.replace(out, target)  # atomic: concurrent builders never see half a file
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_library() -> ctypes.CDLL | None:
+    """The compiled kernels, built on first use; None (after a one-line notice) where no
+    compiler is there, the build fails, or ``LIGHTNING_ACGC_CPU_LIB=0``.
+
+    Example:
+        >>> lib = cpu_library()
+        >>> lib is None or hasattr(lib, "acgc_quant_pack")
+        True
+    """
+    if os.environ.get("LIGHTNING_ACGC_CPU_LIB") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    fallback = "CPU codecs use the slower pure-torch reference"
+    if compiler is None:
+        _notice(f"no C compiler (cc/gcc) found; {fallback}")
+        return None
+    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + _cpu_id())
+    target = _cache_dir() / f"fastcpu-{key.hexdigest()[:16]}.so"
+    try:
+        if not target.exists():
+            _notice(f"compiling the CPU codec kernels (once) into {target}")
+            _build(compiler, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as err:
+        detail = getattr(err, "stderr", b"") or str(err).encode()
+        _notice(f"building the CPU kernels failed ({detail.decode()[:200]!r}); {fallback}")
+        return None
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+def cpu_threads() -> int:
+    """Threads the kernels use: torch's intra-op thread count."""
+    import torch
+
+    return torch.get_num_threads()

@@ -1,0 +1,192 @@
+/* Compiled CPU path of the codec kernels (quant and mask): plain C99 + OpenMP, no torch
+ * headers. Python passes data pointers through ctypes (lightning_acgc/kernels/common/
+ * cpu_lib.py builds this file with gcc on first use). Every function computes exactly what
+ * its pure-torch reference computes (same float32 operations, no FMA contraction: built
+ * with -ffp-contract=off), so the outputs are bit-identical.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Chris Wellons' lowbias32 integer hash (also written in torch in quant/reference.py). */
+static inline uint32_t lowbias32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7feb352dU;
+    x ^= x >> 15;
+    x *= 0x846ca68bU;
+    x ^= x >> 16;
+    return x;
+}
+
+/* Per-group min, max and smallest positive value of a float32 array of n values viewed as
+ * groups of gs (the tail group padded with x[n-1], which changes none of the three).
+ * Returns 1 if some value is NaN or +-inf (outputs then meaningless), else 0. */
+int acgc_group_stats(const float *x, int64_t n, int64_t gs, float *lo, float *hi,
+                     float *min_pos, int nthreads) {
+    int64_t groups = (n + gs - 1) / gs;
+    int bad = 0;
+#pragma omp parallel for schedule(static) num_threads(nthreads) reduction(| : bad)
+    for (int64_t g = 0; g < groups; g++) {
+        const float *p = x + g * gs;
+        int64_t len = (g + 1) * gs <= n ? gs : n - g * gs;
+        /* 16 independent lanes (elementwise selects, which the compiler vectorizes; a
+         * float min/max reduction it would not, without -ffast-math). */
+        float mn[16], mx[16], mp[16];
+        int nf[16];
+        for (int k = 0; k < 16; k++) mn[k] = INFINITY, mx[k] = -INFINITY, mp[k] = INFINITY, nf[k] = 0;
+        int64_t full = len / 16 * 16;
+        for (int64_t i = 0; i < full; i += 16) {
+            for (int k = 0; k < 16; k++) {
+                float v = p[i + k];
+                nf[k] |= !(fabsf(v) <= 3.4028234663852886e38f); /* NaN or inf */
+                mn[k] = v < mn[k] ? v : mn[k];
+                mx[k] = v > mx[k] ? v : mx[k];
+                mp[k] = (v > 0.0f && v < mp[k]) ? v : mp[k];
+            }
+        }
+        for (int64_t i = full; i < len; i++) {
+            float v = p[i];
+            nf[0] |= !(fabsf(v) <= 3.4028234663852886e38f);
+            mn[0] = v < mn[0] ? v : mn[0];
+            mx[0] = v > mx[0] ? v : mx[0];
+            mp[0] = (v > 0.0f && v < mp[0]) ? v : mp[0];
+        }
+        int nonfinite = 0;
+        for (int k = 1; k < 16; k++) {
+            mn[0] = mn[k] < mn[0] ? mn[k] : mn[0];
+            mx[0] = mx[k] > mx[0] ? mx[k] : mx[0];
+            mp[0] = mp[k] < mp[0] ? mp[k] : mp[0];
+        }
+        for (int k = 0; k < 16; k++) nonfinite |= nf[k];
+        lo[g] = mn[0];
+        hi[g] = mx[0];
+        min_pos[g] = mp[0];
+        bad |= nonfinite;
+    }
+    return bad;
+}
+
+/* The code of value v at element index i (low 32 bits il, kh = lowbias32((i >> 32) ^ key)):
+ * t = (v - lo) * inv; s = t + u with u = (lowbias32(il ^ kh) >> 8) * 2^-24; clamp(s, 0, top)
+ * truncated, plus 1 where zk and v != 0. */
+static inline uint8_t code_of(float v, uint32_t il, uint32_t kh, float l, float iv, float tp,
+                              uint8_t z) {
+    uint32_t h = lowbias32(il ^ kh);
+    float u = (float)(h >> 8) * 5.9604644775390625e-08f;
+    float t = (v - l) * iv;
+    float s = t + u;
+    s = s < 0.0f ? 0.0f : s;
+    s = s > tp ? tp : s;
+    return (uint8_t)((uint8_t)s + (uint8_t)(z & (v != 0.0f)));
+}
+
+#define CHUNK 4096
+
+/* Stochastic rounding and packing of the padded G * gs array (element i >= n has value
+ * x[n-1]) with the per-group lo, inv (1 / step, 0 for a zero step), top and zk (zero-kept);
+ * see code_of. Codes of 8 / bits per byte, code k at bit bits * k. */
+void acgc_quant_pack(const float *x, int64_t n, int64_t gs, int bits, const float *lo,
+                     const float *inv, const float *top, const uint8_t *zk, uint32_t key,
+                     uint8_t *codes, int nthreads) {
+    int64_t groups = (n + gs - 1) / gs;
+    int per = 8 / bits;
+    int64_t gbytes = gs / per;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t g = 0; g < groups; g++) {
+        float l = lo[g], iv = inv[g], tp = top[g];
+        uint8_t z = zk[g];
+        uint8_t q[CHUNK];
+        for (int64_t c0 = 0; c0 < gs; c0 += CHUNK) {
+            int64_t i0 = g * gs + c0;
+            int64_t len = gs - c0 < CHUNK ? gs - c0 : CHUNK;
+            int64_t valid = n - i0 < len ? (n - i0 > 0 ? n - i0 : 0) : len;
+            const float *p = x + i0;
+            if ((uint64_t)i0 >> 32 == (uint64_t)(i0 + len - 1) >> 32) {
+                uint32_t kh = lowbias32((uint32_t)((uint64_t)i0 >> 32) ^ key);
+                uint32_t il0 = (uint32_t)i0;
+                for (int64_t j = 0; j < valid; j++)
+                    q[j] = code_of(p[j], il0 + (uint32_t)j, kh, l, iv, tp, z);
+                for (int64_t j = valid; j < len; j++)
+                    q[j] = code_of(x[n - 1], il0 + (uint32_t)j, kh, l, iv, tp, z);
+            } else {
+                for (int64_t j = 0; j < len; j++) {
+                    uint64_t i = (uint64_t)(i0 + j);
+                    uint32_t kh = lowbias32((uint32_t)(i >> 32) ^ key);
+                    q[j] = code_of(j < valid ? p[j] : x[n - 1], (uint32_t)i, kh, l, iv, tp, z);
+                }
+            }
+            uint8_t *out = codes + g * gbytes + c0 / per;
+            if (bits == 8) {
+                memcpy(out, q, len);
+            } else if (bits == 4) {
+                for (int64_t b = 0; b < len / 2; b++) out[b] = q[2 * b] | (q[2 * b + 1] << 4);
+            } else if (bits == 2) {
+                for (int64_t b = 0; b < len / 4; b++)
+                    out[b] = q[4 * b] | (q[4 * b + 1] << 2) | (q[4 * b + 2] << 4) |
+                             (q[4 * b + 3] << 6);
+            } else {
+                for (int64_t b = 0; b < len / 8; b++) {
+                    uint8_t byte = 0;
+                    for (int k = 0; k < 8; k++) byte |= (uint8_t)(q[8 * b + k] << k);
+                    out[b] = byte;
+                }
+            }
+        }
+    }
+}
+
+/* Decode n values: code c of group g is fmaf(c, step, lo) (zero-kept groups: code 0 is
+ * +0.0, code c >= 1 is fmaf(c - 1, step, lo)), as the reference's addcmul. */
+void acgc_quant_unpack(const uint8_t *codes, int64_t n, int64_t gs, int bits, const float *lo,
+                       const float *step, const uint8_t *zk, float *out, int nthreads) {
+    int64_t groups = (n + gs - 1) / gs;
+    int per = 8 / bits;
+    int mask = (1 << bits) - 1;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t g = 0; g < groups; g++) {
+        float l = lo[g], st = step[g];
+        int z = zk[g];
+        float zf = (float)z;
+        int64_t len = (g + 1) * gs <= n ? gs : n - g * gs;
+        const uint8_t *src = codes + g * (gs / per);
+        float *dst = out + g * gs;
+        float c[CHUNK];
+        for (int64_t c0 = 0; c0 < len; c0 += CHUNK) {
+            int64_t m = len - c0 < CHUNK ? len - c0 : CHUNK;
+            int64_t mb = (m + per - 1) / per;
+            const uint8_t *s = src + c0 / per;
+            for (int64_t b = 0; b < mb; b++)
+                for (int k = 0; k < per; k++) c[b * per + k] = (float)((s[b] >> (bits * k)) & mask);
+            if (z) {
+                for (int64_t j = 0; j < m; j++) {
+                    float v = fmaf(c[j] - zf, st, l);
+                    dst[c0 + j] = c[j] == 0.0f ? 0.0f : v;
+                }
+            } else {
+                for (int64_t j = 0; j < m; j++) dst[c0 + j] = fmaf(c[j], st, l);
+            }
+        }
+    }
+}
+
+/* 1-bit packing of n bytes holding 0/1: bit i % 8 of byte i / 8 is element i (tail 0). */
+void acgc_mask_pack(const uint8_t *m, int64_t n, uint8_t *out, int nthreads) {
+    int64_t nbytes = (n + 7) / 8, full = n / 8;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t b = 0; b < full; b++) {
+        const uint8_t *p = m + 8 * b;
+        uint8_t byte = 0;
+        for (int k = 0; k < 8; k++) byte |= (uint8_t)((p[k] != 0) << k);
+        out[b] = byte;
+    }
+    if (full < nbytes) {
+        uint8_t byte = 0;
+        for (int64_t i = 8 * full; i < n; i++) byte |= (uint8_t)((m[i] != 0) << (i - 8 * full));
+        out[full] = byte;
+    }
+}
+
+void acgc_mask_unpack(const uint8_t *packed, int64_t n, uint8_t *out, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t i = 0; i < n; i++) out[i] = (packed[i >> 3] >> (i & 7)) & 1;
+}

@@ -1,0 +1,74 @@
+"""Lossless integer packing (frame of reference + bit packing) — pure-torch reference.
+
+Format of a flat integer tensor of ``n`` values in groups of ``group_size`` (the tail
+group is short):
+
+* ``base``: int64 per group, the group's minimum.
+* ``width``: int, the bits of the widest residual ``x - base`` over the whole tensor
+  (0..64; residuals are taken modulo 2**64, so int64 extremes need 64 bits).
+* ``bits``: uint8, residual ``i`` in bits ``[i * width, (i + 1) * width)`` of the stream,
+  least significant bit first (bit ``j % 8`` of byte ``j // 8``).
+
+Saved integer tensors (pooling indices, token indices, offsets, ``edge_index``) hold
+values in narrow ranges per group, so they shrink from 64 bits to a few bits each.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_acgc.kernels.common.bitpack import pack_codes, unpack_codes
+
+__all__ = ["INT_DTYPES", "intpack_decode_ref", "intpack_encode_ref"]
+
+INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def _groups(flat: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(G, group_size) int64 view of ``flat``, the tail padded with its last value."""
+    pad = -flat.numel() % group_size
+    if pad:
+        flat = torch.cat([flat, flat[-1:].expand(pad)])
+    return flat.view(-1, group_size)
+
+
+def intpack_encode_ref(x: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
+    """Pack a non-empty integer tensor of a dtype in :data:`INT_DTYPES`.
+
+    Example:
+        >>> p = intpack_encode_ref(torch.tensor([7, 8, 9, 10]), group_size=4)
+        >>> p["base"].tolist(), int(p["width"]), p["bits"].numel()
+        ([7], 2, 1)
+    """
+    flat = x.reshape(-1).to(torch.int64)
+    n = flat.numel()
+    g = _groups(flat, group_size)
+    base = g.amin(dim=1)
+    r = (g - base[:, None]).view(-1)[:n]  # wraps modulo 2**64 for int64 extremes
+    width = 64 if bool((r < 0).any()) else int(r.max()).bit_length()
+    if width == 0:
+        bits = torch.empty(0, dtype=torch.uint8, device=x.device)
+    else:
+        shifts = torch.arange(width, device=x.device)
+        stream = ((r[:, None] >> shifts) & 1).to(torch.uint8).view(-1)
+        pad = -stream.numel() % 8
+        if pad:
+            stream = torch.cat([stream, stream.new_zeros(pad)])
+        bits = pack_codes(stream, 1)
+    return {"base": base, "width": torch.tensor(width, dtype=torch.uint8), "bits": bits}
+
+
+def intpack_decode_ref(
+    payload: dict[str, torch.Tensor], group_size: int, numel: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Flat tensor of the ``numel`` packed values in ``dtype`` (exact)."""
+    base = payload["base"]
+    width = int(payload["width"])
+    if width == 0:
+        r = torch.zeros(numel, dtype=torch.int64, device=base.device)
+    else:
+        stream = unpack_codes(payload["bits"], 1, numel * width).view(numel, width)
+        shifts = torch.arange(width, device=base.device)
+        r = (stream.to(torch.int64) << shifts).sum(dim=1)  # bit 63 gives -2**63: wraps right
+    out = r + base.repeat_interleave(group_size)[:numel]
+    return out.to(dtype)

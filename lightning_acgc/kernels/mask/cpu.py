@@ -1,0 +1,30 @@
+"""Compiled CPU path of the ``mask`` codec (``common/fastcpu.c``), bit-identical to
+:mod:`lightning_acgc.kernels.mask.reference`."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_acgc.kernels.common.cpu_lib import cpu_library, cpu_threads
+
+__all__ = ["mask_pack_cpu", "mask_unpack_cpu"]
+
+
+def mask_pack_cpu(mask: torch.Tensor) -> torch.Tensor:
+    """Pack a CPU bool tensor into ``ceil(numel / 8)`` bytes (layout of the reference)."""
+    m = mask.contiguous().reshape(-1).view(torch.uint8)
+    out = torch.empty(-(-m.numel() // 8), dtype=torch.uint8)
+    if m.numel():
+        cpu_library().acgc_mask_pack(m.data_ptr(), m.numel(), out.data_ptr(), cpu_threads())
+    return out
+
+
+def mask_unpack_cpu(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """The first ``numel`` bits of ``packed`` as a flat bool tensor."""
+    if packed.numel() * 8 < numel:
+        raise ValueError(f"numel={numel} does not fit in {packed.numel()} packed bytes")
+    packed = packed.contiguous()
+    out = torch.empty(numel, dtype=torch.uint8)
+    if numel:
+        cpu_library().acgc_mask_unpack(packed.data_ptr(), numel, out.data_ptr(), cpu_threads())
+    return out.view(torch.bool)

@@ -1,0 +1,79 @@
+"""``quant`` kernels: per-group stochastic quantization, routed to Triton (CUDA), the
+compiled CPU path, or the pure-torch reference (see
+:func:`lightning_acgc.kernels.common.dispatch.route`). The format is described in
+:mod:`lightning_acgc.kernels.quant.reference`."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_acgc.kernels.common.dispatch import route
+from lightning_acgc.kernels.common.groups import group_view
+from lightning_acgc.kernels.quant.cpu import quant_decode_cpu, quant_encode_cpu
+from lightning_acgc.kernels.quant.reference import (
+    META_FORMATS,
+    hash_uniform,
+    quant_decode_ref,
+    quant_encode_ref,
+    uniform_noise,
+)
+
+__all__ = [
+    "META_FORMATS",
+    "group_view",
+    "hash_uniform",
+    "quant_decode",
+    "quant_decode_ref",
+    "quant_encode",
+    "quant_encode_ref",
+    "uniform_noise",
+]
+
+_TRITON = "lightning_acgc.kernels.quant.triton"
+
+
+def quant_encode(
+    x: torch.Tensor,
+    bits: int,
+    group_size: int,
+    seed: int,
+    backend: str = "auto",
+    meta: str = "fp32",
+) -> dict[str, torch.Tensor]:
+    """Encode a non-empty floating tensor (the Triton kernel writes float32 metadata only;
+    ``meta="bf16"`` on CUDA runs the torch reference there).
+
+    Example:
+        >>> x = torch.arange(8.0)
+        >>> y = quant_decode(quant_encode(x, 8, 8, seed=0), 8, 8, 8, torch.float32)
+        >>> y[0].item(), bool((y - x).abs().max() < 0.03)
+        (0.0, True)
+    """
+    if meta != "fp32" and backend == "triton":
+        raise ValueError(
+            f"meta={meta!r} needs backend 'auto', 'torch' or 'cpu': the Triton "
+            "kernel writes fp32 metadata only"
+        )
+    if meta != "fp32" and x.device.type != "cpu":
+        backend = "torch"
+    fn = route(x, backend, quant_encode_ref, f"{_TRITON}:quant_encode_triton", quant_encode_cpu)
+    if fn is quant_encode_ref or fn is quant_encode_cpu:
+        return fn(x, bits, group_size, seed, meta=meta)
+    return fn(x.contiguous(), bits, group_size, seed)
+
+
+def quant_decode(
+    payload: dict[str, torch.Tensor],
+    bits: int,
+    group_size: int,
+    numel: int,
+    dtype: torch.dtype,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Flat tensor of ``numel`` decoded values in ``dtype`` (any path's payload)."""
+    if payload["lo"].dtype != torch.float32 and payload["lo"].device.type != "cpu":
+        backend = "torch"
+    fn = route(
+        payload["lo"], backend, quant_decode_ref, f"{_TRITON}:quant_decode_triton", quant_decode_cpu
+    )
+    return fn(payload, bits, group_size, numel, dtype)

@@ -1,0 +1,79 @@
+"""Compiled CPU path of the ``quant`` codec (``common/fastcpu.c``), bit-identical to
+:mod:`lightning_acgc.kernels.quant.reference` for the same seed.
+
+Three stages, so that metadata formats never touch the C code: C reduces each group's
+min, max and smallest positive value (one pass); :func:`group_meta` turns them into the
+per-group parameters in torch (tiny tensors); C quantizes with the hashed noise and packs
+(one pass). Tensors holding NaN/inf, or needing float64 arithmetic, go to the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_acgc.kernels.common.cpu_lib import cpu_library, cpu_threads
+from lightning_acgc.kernels.common.nonfinite import restore_exceptions
+from lightning_acgc.kernels.quant.reference import (
+    decode_params,
+    group_meta,
+    hash_key,
+    quant_decode_ref,
+    quant_encode_ref,
+)
+
+__all__ = ["quant_decode_cpu", "quant_encode_cpu"]
+
+
+def quant_encode_cpu(
+    x: torch.Tensor, bits: int, group_size: int, seed: int, meta: str = "fp32"
+) -> dict[str, torch.Tensor]:
+    """Encode a non-empty CPU floating tensor; same payload as ``quant_encode_ref``."""
+    lib = cpu_library()
+    xf = x.reshape(-1).to(torch.float32).contiguous()
+    n = xf.numel()
+    groups = -(-n // group_size)
+    lo, hi, min_pos = (torch.empty(groups) for _ in range(3))
+    threads = cpu_threads()
+    bad = lib.acgc_group_stats(
+        xf.data_ptr(), n, group_size, lo.data_ptr(), hi.data_ptr(), min_pos.data_ptr(), threads
+    )
+    if bad:  # NaN/inf: the reference sets them aside
+        return quant_encode_ref(x, bits, group_size, seed, meta=meta)
+    m = group_meta(lo, hi, min_pos, bits, meta)
+    if m.wide:
+        return quant_encode_ref(x, bits, group_size, seed, meta=meta)
+    mlo, inv = m.lo.contiguous(), m.inv.contiguous()
+    top, zk = m.top.float().contiguous(), m.zero_kept.to(torch.uint8)
+    codes = torch.empty(groups * group_size * bits // 8, dtype=torch.uint8)
+    lib.acgc_quant_pack(
+        xf.data_ptr(), n, group_size, bits, mlo.data_ptr(), inv.data_ptr(), top.data_ptr(),
+        zk.data_ptr(), hash_key(seed), codes.data_ptr(), threads,
+    )  # fmt: skip
+    return {
+        "codes": codes,
+        "lo": m.lo.to(m.stored) + 0.0,
+        "scale": torch.where(m.zero_kept, -m.step, m.step).to(m.stored),
+        "exc_idx": torch.empty(0, dtype=torch.int64),
+        "exc_val": torch.empty(0, dtype=x.dtype),
+    }
+
+
+def quant_decode_cpu(
+    payload: dict[str, torch.Tensor], bits: int, group_size: int, numel: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Decode a payload into a flat CPU tensor; same values as ``quant_decode_ref``."""
+    lo, step, zero_kept = decode_params(payload["lo"], payload["scale"], bits)
+    codes = payload["codes"].contiguous()
+    groups = lo.numel()
+    if lo.dtype != torch.float32 or codes.numel() != groups * group_size * bits // 8:
+        return quant_decode_ref(payload, bits, group_size, numel, dtype)
+    if not (groups - 1) * group_size < numel <= groups * group_size:
+        raise ValueError(f"numel={numel} does not match {groups} groups of {group_size}")
+    lo, step, zk = lo.contiguous(), step.contiguous(), zero_kept.to(torch.uint8)
+    out = torch.empty(numel, dtype=torch.float32)
+    cpu_library().acgc_quant_unpack(
+        codes.data_ptr(), numel, group_size, bits, lo.data_ptr(), step.data_ptr(),
+        zk.data_ptr(), out.data_ptr(), cpu_threads(),
+    )  # fmt: skip
+    flat = out if dtype == torch.float32 else out.to(dtype)
+    return restore_exceptions(flat, payload["exc_idx"], payload["exc_val"])

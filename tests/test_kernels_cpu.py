@@ -1,0 +1,118 @@
+"""The compiled CPU kernels against the pure-torch references: bit-identical payloads for
+the same seed, identical decodes, and the fallback when no compiler is there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_acgc.kernels.common import cpu_lib
+from lightning_acgc.kernels.common.dispatch import route
+from lightning_acgc.kernels.division import division_decode_ref, division_encode_ref
+from lightning_acgc.kernels.division.cpu import division_decode_cpu, division_encode_cpu
+from lightning_acgc.kernels.mask.cpu import mask_pack_cpu, mask_unpack_cpu
+from lightning_acgc.kernels.mask.reference import mask_pack_ref, mask_unpack_ref
+from lightning_acgc.kernels.quant.cpu import quant_decode_cpu, quant_encode_cpu
+from lightning_acgc.kernels.quant.reference import quant_decode_ref, quant_encode_ref
+
+pytestmark = pytest.mark.skipif(cpu_lib.cpu_library() is None, reason="no C compiler here")
+
+
+def _inputs() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(523, 181, generator=g)
+    mixed = x.clone()
+    mixed[:300] = mixed[:300].relu()  # zero-kept groups next to signed ones
+    mixed[300:310] = 0.0  # all-zero groups
+    mixed[310:320] = 2.5  # constant groups
+    return {
+        "relu": x.relu()[:, :177],  # non-contiguous, odd tail
+        "mixed": mixed,
+        "tiny": torch.tensor([3.0]),
+        "denormal": torch.tensor([1e-45, 0.0, 3e-44, 1e-40] * 5),
+        "huge": torch.tensor([-3e38, 3e38, 1.0, 0.0] * 4),
+        "nonfinite": torch.tensor([1.0, float("nan"), -2.0, float("inf"), 0.5] * 7),
+    }
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype, k
+        assert torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k  # NaN-safe
+
+
+@pytest.mark.parametrize("meta", ["fp32", "bf16"])
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("name", list(_inputs()))
+def test_quant_cpu_bit_identical_to_reference(name: str, bits: int, meta: str) -> None:
+    x = _inputs()[name]
+    for group_size in (64, 256, 1024):
+        ref = quant_encode_ref(x, bits, group_size, seed=11, meta=meta)
+        fast = quant_encode_cpu(x, bits, group_size, seed=11, meta=meta)
+        _same(fast, ref)
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            a = quant_decode_cpu(ref, bits, group_size, x.numel(), dtype)
+            b = quant_decode_ref(ref, bits, group_size, x.numel(), dtype)
+            torch.testing.assert_close(a, b, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_quant_cpu_half_inputs(dtype: torch.dtype) -> None:
+    x = torch.randn(5000).relu().to(dtype)
+    _same(quant_encode_cpu(x, 2, 256, 3), quant_encode_ref(x, 2, 256, 3))
+
+
+def test_quant_cpu_other_seed_other_codes() -> None:
+    x = torch.randn(4096)
+    a, b = quant_encode_cpu(x, 2, 256, 1), quant_encode_cpu(x, 2, 256, 2)
+    assert not torch.equal(a["codes"], b["codes"])
+
+
+@pytest.mark.parametrize("numel", [1, 7, 8, 9, 4096, 100003])
+def test_mask_cpu_bit_identical(numel: int) -> None:
+    m = torch.rand(numel) < 0.3
+    packed = mask_pack_cpu(m)
+    assert torch.equal(packed, mask_pack_ref(m))
+    assert torch.equal(mask_unpack_cpu(packed, numel), mask_unpack_ref(packed, numel))
+    assert torch.equal(mask_pack_cpu(m[::2]), mask_pack_ref(m[::2]))  # non-contiguous
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 13, 13), (4, 37, 50), (1000,)])
+def test_division_cpu_bit_identical(shape: tuple[int, ...]) -> None:
+    x = torch.randn(shape).relu()
+    args = (4, 2, 64, torch.bfloat16, 5)
+    ref = division_encode_ref(x, *args)
+    _same(division_encode_cpu(x, *args), ref)
+    a = division_decode_cpu(ref, shape, x.dtype, 4, 2, 64)
+    assert torch.equal(a, division_decode_ref(ref, shape, x.dtype, 4, 2, 64))
+
+
+def test_no_compiler_falls_back_with_one_line(monkeypatch, tmp_path, capsys) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("LIGHTNING_ACGC_CACHE", str(tmp_path / "cache"))
+    assert cpu_lib.cpu_library.__wrapped__() is None
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("lightning_acgc: building the CPU kernels failed")
+    assert "pure-torch reference" in lines[-1]
+
+
+def test_build_into_fresh_cache(monkeypatch, tmp_path, capsys) -> None:
+    monkeypatch.setenv("LIGHTNING_ACGC_CACHE", str(tmp_path))
+    lib = cpu_lib.cpu_library.__wrapped__()
+    assert lib is not None and hasattr(lib, "acgc_quant_pack")
+    assert "compiling the CPU codec kernels (once)" in capsys.readouterr().err
+    assert len(list(tmp_path.glob("fastcpu-*.so"))) == 1
+
+
+def test_route_uses_reference_without_library(monkeypatch) -> None:
+    x = torch.ones(3)
+    ref, fast = (lambda: "ref"), (lambda: "cpu")
+    assert route(x, "auto", ref, "m:f", fast) is fast
+    assert route(x, "torch", ref, "m:f", fast) is ref
+    monkeypatch.setattr("lightning_acgc.kernels.common.dispatch.cpu_library", lambda: None)
+    assert route(x, "auto", ref, "m:f", fast) is ref
+    with pytest.raises(RuntimeError, match="backend='cpu'"):
+        route(x, "cpu", ref, "m:f", fast)
+    with pytest.raises(ValueError, match="backend='gpu' is not allowed"):
+        route(x, "gpu", ref, "m:f", fast)
