@@ -10,12 +10,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "lightning_acgc"
 MAX_LINES = 400
-# The kernels helper removes the cycles and long modules in kernels/; drop this exclusion
-# once that is merged.
-EXCLUDED = ("lightning_acgc.kernels",)
+EXCLUDED: tuple[str, ...] = ()
 # Over the limit already and being rewritten by another helper (policies/acgc.py: the
 # acgc helper); split it after that merge and empty this.
-OVER_LIMIT = {"lightning_acgc.policies.acgc"}
+OVER_LIMIT = {
+    "lightning_acgc.policies.acgc",
+    # split by the kernels follow-up before this lands
+    "lightning_acgc.kernels.bounded.triton",
+    "lightning_acgc.kernels.division.triton",
+    "lightning_acgc.kernels.quant.triton",
+}
 
 
 def _module_name(path: Path) -> str:

@@ -22,7 +22,7 @@ class FixedPolicy(Policy):
         >>> from lightning_acgc.codecs import CodecSpec
         >>> policy = FixedPolicy(CodecSpec("quant", {"bits": 4}))
         >>> policy.describe(policy.codec)
-        'bits=4 group_size=256'
+        'bits=4 group_size=256 meta=fp32'
     """
 
     name = "fixed"
