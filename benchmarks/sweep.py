@@ -42,6 +42,7 @@ from benchmarks._harness import emit, machine, resolve_device
 __all__ = [
     "PLAIN",
     "RECIPES",
+    "format_table",
     "plot_sweep",
     "read_runs",
     "run_order",
@@ -194,6 +195,34 @@ def summarize(runs: Iterable[dict[str, Any]], plain: str = PLAIN) -> dict[str, A
     return out
 
 
+def format_table(summary: dict[str, Any]) -> str:
+    """The summary as a Markdown table, one row per recipe and configuration.
+
+    Example:
+        >>> row = {"val_loss_mean": 2.1, "val_acc_mean": 0.4, "val_loss_diff_mean": 0.05,
+        ...        "val_loss_diff_rel": 0.024, "plain_spread": 0.2, "within_spread": True,
+        ...        "ratio_mean": 8.0, "fit_time_vs_plain": 1.5, "seeds": [0, 1]}
+        >>> print(format_table({"r": {"compression=x": row}}).splitlines()[2])
+        | r | x | 2 | 2.1000 | +0.0500 (+2.4%) | 0.2000 | yes | 8.00x | 0.400 | 1.50x |
+    """
+    lines = [
+        "| recipe | configuration | seeds | val loss | paired diff vs plain | plain spread "
+        "| within | ratio | val acc | fit time vs plain |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for recipe, rows in summary.items():
+        for config, r in rows.items():
+            name = config.replace("compression.", "").replace("compression=", "")
+            lines.append(
+                f"| {recipe} | {name} | {len(r['seeds'])} | {r['val_loss_mean']:.4f} "
+                f"| {r['val_loss_diff_mean']:+.4f} ({100 * r['val_loss_diff_rel']:+.1f}%) "
+                f"| {r['plain_spread']:.4f} | {'yes' if r['within_spread'] else 'no'} "
+                f"| {r['ratio_mean']:.2f}x | {r['val_acc_mean']:.3f} "
+                f"| {r['fit_time_vs_plain']:.2f}x |"
+            )
+    return "\n".join(lines)
+
+
 def plot_sweep(summary: dict[str, Any], path: Path, plain: str = PLAIN) -> Path:
     """Paired validation-loss difference (relative to plain) against the activation
     ratio: one marker per configuration, one colour per recipe; the band is plain's
@@ -285,6 +314,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f.write(json.dumps(result) + "\n")
     if args.plot:
         plot_sweep(summary, args.plot)
+    print(format_table(summary))
     emit(result)
     return result
 

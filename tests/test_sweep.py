@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import doctest
 import json
 from pathlib import Path
 
 import pytest
 
 from benchmarks import sweep
-from benchmarks.sweep import PLAIN, plot_sweep, read_runs, run_order, summarize
+from benchmarks.sweep import PLAIN, format_table, plot_sweep, read_runs, run_order, summarize
 
 
 def test_run_order_pairs_every_config_with_every_seed_and_rotates() -> None:
@@ -84,3 +85,15 @@ def test_sweep_trains_paired_runs_and_writes_one_line_each(
     again = sweep.main(["--summarize", str(out), "--plot", str(png)])
     assert again["summary"] == result["summary"]
     assert len(out.read_text().splitlines()) == 5  # summarizing appends nothing
+
+
+def test_table_has_one_row_per_recipe_and_configuration() -> None:
+    runs = [_run(PLAIN, 0, 2.0), _run(PLAIN, 1, 2.2), _run("compression=x", 0, 2.5, 8.0),
+            _run("compression=x", 1, 2.7, 8.0)]  # fmt: skip
+    lines = format_table(summarize(runs)).splitlines()
+    assert len(lines) == 4
+    assert lines[3].startswith("| r | x | 2 | 2.6000 | +0.5000 (+23.8%) | 0.2000 | no | 8.00x")
+
+
+def test_docstring_examples() -> None:
+    assert doctest.testmod(sweep).failed == 0
