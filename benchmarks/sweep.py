@@ -239,7 +239,7 @@ def plot_sweep(summary: dict[str, Any], path: Path, plain: str = PLAIN) -> Path:
         colour = f"C{i}"
         base = rows.get(plain)
         if base:
-            half = base["plain_spread"] / base["val_loss_mean"]
+            half = 100 * base["plain_spread"] / base["val_loss_mean"]  # in % like y
             ax.axhspan(-half, half, color=colour, alpha=0.08)
         for config, row in rows.items():
             if config == plain:
