@@ -134,6 +134,15 @@ class SyntheticTextDataSchema(DataSchema):
 
 
 @dataclass
+class PyTextDataSchema(DataSchema):
+    seq_len: int = MISSING
+    num_windows: int = MISSING
+    val_fraction: float = MISSING
+    batch_size: int = MISSING
+    num_workers: int = MISSING
+
+
+@dataclass
 class GlueDataSchema(DataSchema):
     task: str = MISSING
     tokenizer: str = MISSING
@@ -214,6 +223,15 @@ class GNNModelSchema(ModelSchema):
     heads: int = MISSING
 
 
+@dataclass
+class CharLMModelSchema(ModelSchema):
+    max_seq_len: int = MISSING
+    hidden_size: int = MISSING
+    num_layers: int = MISSING
+    num_heads: int = MISSING
+    dropout: float = MISSING
+
+
 # ----------------------------------------------------------------------------- trainer
 @dataclass
 class TrainerSchema:
@@ -269,8 +287,14 @@ _SCHEMAS: dict[str, dict[str, type]] = {
         "glue": GlueDataSchema,
         "sbm": SBMDataSchema,
         "cora": CoraDataSchema,
+        "pytext": PyTextDataSchema,
     },
-    "model": {"resnet": ResNetModelSchema, "bert": BertModelSchema, "gnn": GNNModelSchema},
+    "model": {
+        "resnet": ResNetModelSchema,
+        "bert": BertModelSchema,
+        "gnn": GNNModelSchema,
+        "charlm": CharLMModelSchema,
+    },
     "trainer": {"default": TrainerSchema},
 }
 

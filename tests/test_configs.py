@@ -31,6 +31,7 @@ MODEL_FOR_DATA = {
     "glue": "bert",
     "sbm": "gnn",
     "cora": "gnn",
+    "pytext": "charlm",
 }
 
 
@@ -52,7 +53,7 @@ def compression_skip_reason(cfg: DictConfig) -> str | None:
 
 def test_groups_hold_the_expected_options() -> None:
     assert options("compression") == ["acgc", "comet", "division", "fixed", "gact", "none"]
-    assert options("model") == ["bert", "gnn", "resnet"]
+    assert options("model") == ["bert", "charlm", "gnn", "resnet"]
     assert options("data") == sorted(MODEL_FOR_DATA)
     assert options("trainer") == ["default", "fast"]
     assert options("experiment"), "experiment/ holds no overlays"

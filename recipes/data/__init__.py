@@ -2,6 +2,7 @@
 
 from recipes.data.availability import DataUnavailableError
 from recipes.data.graph import CoraDataModule, SBMGraphDataModule
+from recipes.data.pytext import PyDocTextDataModule
 from recipes.data.text import GlueDataModule, SyntheticTextDataModule
 from recipes.data.vision import CIFAR10DataModule, DigitsDataModule
 
@@ -11,6 +12,7 @@ __all__ = [
     "DataUnavailableError",
     "DigitsDataModule",
     "GlueDataModule",
+    "PyDocTextDataModule",
     "SBMGraphDataModule",
     "SyntheticTextDataModule",
 ]

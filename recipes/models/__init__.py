@@ -1,8 +1,10 @@
-"""LightningModules of the recipes: ResNet (images), BERT (text), GNN (graphs)."""
+"""LightningModules of the recipes: ResNet (images), BERT (text), GNN (graphs), CharLM
+(character-level language model)."""
 
 from recipes.models.bert import BertClassifier
+from recipes.models.charlm import CharLM
 from recipes.models.classifier import Classifier
 from recipes.models.gnn import GNNClassifier
 from recipes.models.resnet import ResNet, ResNetClassifier
 
-__all__ = ["BertClassifier", "Classifier", "GNNClassifier", "ResNet", "ResNetClassifier"]
+__all__ = ["BertClassifier", "CharLM", "Classifier", "GNNClassifier", "ResNet", "ResNetClassifier"]
