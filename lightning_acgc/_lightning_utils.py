@@ -133,15 +133,18 @@ def offline(pl_module: LightningModule) -> Iterator[None]:
     statistics) are restored, and ``self.log``/``self.log_dict`` do nothing meanwhile.
 
     Other side effects of the user's ``training_step`` (metric objects updated, counters)
-    do happen twice.
+    do happen twice; meanwhile ``pl_module.acgc_calibrating`` is True, so the step can
+    tell (``getattr(self, "acgc_calibrating", False)``).
     """
-    previous = {name: pl_module.__dict__.get(name, _MISSING) for name in ("log", "log_dict")}
+    names = ("log", "log_dict", "acgc_calibrating")
+    previous = {name: pl_module.__dict__.get(name, _MISSING) for name in names}
 
     def _no_log(*args: Any, **kwargs: Any) -> None:
         return None
 
     pl_module.__dict__["log"] = _no_log
     pl_module.__dict__["log_dict"] = _no_log
+    pl_module.__dict__["acgc_calibrating"] = True
     try:
         with no_side_effects(pl_module):
             yield
