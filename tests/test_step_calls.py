@@ -35,6 +35,7 @@ def test_training_step_calls_are_counted_and_flagged(accumulate: int) -> None:
     assert model.calls.count(False) == batches
     assert model.calls.count(True) == calibrations * accumulate
     assert len(model.calls) == batches + calibrations * accumulate
+    assert len(model.calls) == {1: 17, 2: 34}[accumulate]  # the count README states
     assert "acgc_calibrating" not in model.__dict__  # the flag is gone after each re-run
 
 
