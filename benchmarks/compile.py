@@ -107,9 +107,7 @@ def measure(model: str, rounds: int, bits: int) -> dict[str, object]:
     return {
         "step_ms": {c: round(1e3 * statistics.median(t), 2) for c, t in times.items()},
         "vs_eager": {
-            c: round(
-                statistics.median(a / e for a, e in zip(t, times["eager"], strict=True)), 3
-            )
+            c: round(statistics.median(a / e for a, e in zip(t, times["eager"], strict=True)), 3)
             for c, t in times.items()
         },
         "ratio": {c: round(ratios[c], 2) for c in CONFIGS},

@@ -58,7 +58,9 @@ def test_unpack_restores_size_stride_dtype(codec: str, view: str) -> None:
         if 0 not in t.stride():
             twin = _engine(CODECS[codec])
             twin.new_step(0)
-            torch.testing.assert_close(out, twin._unpack(twin._pack(t.contiguous())), atol=0, rtol=0)
+            torch.testing.assert_close(
+                out, twin._unpack(twin._pack(t.contiguous())), atol=0, rtol=0
+            )
         return
     tol = {"quant": 0.05, "bounded": 2e-3, "identity": 0.0}[codec]
     torch.testing.assert_close(out, t, atol=tol, rtol=0)
