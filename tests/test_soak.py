@@ -45,6 +45,8 @@ def test_soak_1000_steps(name: str) -> None:
     g = torch.Generator().manual_seed(1)
     sizes: set[tuple[int, int, int]] = set()
     rss_warm = 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: threads only add synchronization (and CI has 2 cores)
     try:
         for step in range(STEPS):
             # A fresh batch each step, as from a data loader (see test_ledger_with_held_input)
@@ -64,7 +66,9 @@ def test_soak_1000_steps(name: str) -> None:
                 rss_warm = _rss_bytes()
         rss_end = _rss_bytes()
     finally:
+        torch.set_num_threads(threads)
         engine.remove()
+    print(f"{name}: {STEPS} steps, RSS {rss_warm / 2**20:.1f} -> {rss_end / 2**20:.1f} MiB")
     assert len(sizes) == 1, sizes
     assert rss_end < 1.05 * rss_warm, (rss_warm, rss_end)
     if name != "off":
