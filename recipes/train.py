@@ -13,8 +13,12 @@ Prints one summary line at the end: the final metric and the activation compress
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
+import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import hydra
@@ -25,9 +29,9 @@ from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationKeyError
 
-from recipes.config_schema import register_configs
+from recipes.config_schema import _SCHEMAS, register_configs
 
-__all__ = ["summary_line", "train"]
+__all__ = ["compression_option_hint", "summary_line", "train"]
 
 RATIO_KEY = "acgc/ratio"  # what ActivationCompression logs: saved bytes / packed bytes
 
@@ -51,6 +55,57 @@ def _check_resolves(cfg: DictConfig) -> None:
             f"model=resnet takes data=digits or data=cifar10, model=bert data=text or "
             f"data=glue, model=gnn data=sbm or data=cora"
         ) from err
+
+
+def _compression_fields() -> dict[str, set[str]]:
+    """The options each ``compression=<name>`` config takes (from its schema)."""
+    return {
+        name: {f.name for f in dataclasses.fields(schema)}
+        for name, schema in _SCHEMAS["compression"].items()
+        if name != "base"
+    }
+
+
+def compression_option_hint(overrides: Sequence[str]) -> str | None:
+    """What to say when a ``compression.<option>`` override names an option that the
+    chosen compression config (``compression=none`` by default) does not take; ``None``
+    when every such option is taken, or when an experiment overlay may choose it.
+
+    Hydra alone says ``Key 'gradient_error' is not in struct``, which does not tell
+    the user which config takes the option.
+
+    Example:
+        >>> print(compression_option_hint(["compression.gradient_error=0.1"]))
+        ... # doctest: +ELLIPSIS
+        compression.gradient_error=0.1: ...; use compression=acgc compression.gradient_error=0.1
+        >>> compression_option_hint(["compression=acgc", "compression.gradient_error=0.1"])
+    """
+    if any(re.match(r"\+*experiment=", o) for o in overrides):
+        return None
+    choice = "none"
+    for o in overrides:
+        m = re.match(r"\+*compression=(.*)$", o)
+        if m:
+            choice = m.group(1)
+    fields = _compression_fields()
+    if "," in choice or (choice != "none" and choice not in fields):
+        return None  # a sweep, or a name Hydra reports itself
+    for o in overrides:
+        m = re.match(r"\+*compression\.(\w+)=", o)
+        if m is None or m.group(1) in fields.get(choice, set()):
+            continue
+        option = m.group(1)
+        takers = sorted(name for name, names in fields.items() if option in names)
+        if not takers:
+            return (
+                f"{o}: no compression config takes {option!r}; the options of "
+                f"compression={choice if choice != 'none' else 'fixed'} are "
+                f"{sorted(fields[choice if choice != 'none' else 'fixed'] - {'_target_'})}"
+            )
+        example = " or ".join(f"compression={t} {o.lstrip('+')}" for t in takers)
+        chosen = "the default compression=none" if choice == "none" else f"compression={choice}"
+        return f"{o}: {chosen} has no option {option!r}; use {example}"
+    return None
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -124,4 +179,7 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    hint = compression_option_hint(sys.argv[1:])
+    if hint is not None:
+        sys.exit(f"error: {hint}")
     main()

@@ -15,6 +15,7 @@ from torch import nn
 from lightning_acgc.codecs.base import Codec, Packed, span_nbytes
 from lightning_acgc.codecs.intpack import IntPackCodec, IntPackConfig
 from lightning_acgc.codecs.mask import MaskCodec, MaskConfig
+from lightning_acgc.engine.layout import Layout, compact, restore
 from lightning_acgc.engine.meter import CompressionStats, SiteRecord
 from lightning_acgc.engine.policy import Policy
 from lightning_acgc.engine.settings import EngineSettings
@@ -54,20 +55,24 @@ class _Saved:
     A tensor saved by several ops (a ReLU output that is also the next conv's input) is
     packed once and handed out ``pending`` times; backward decodes it once and keeps the
     decoded tensor until the last of those unpacks (or until the graph is freed, if some
-    op never unpacks it).
+    op never unpacks it). The decoded tensor has the sizes and strides that autograd saved
+    (``layout``; see :mod:`lightning_acgc.engine.layout`).
     """
 
-    __slots__ = ("__weakref__", "codec", "decoded", "packed", "pending", "site")
+    __slots__ = ("__weakref__", "codec", "decoded", "layout", "packed", "pending", "site")
 
-    def __init__(self, packed: Packed, codec: Codec, site: str) -> None:
+    def __init__(self, packed: Packed, codec: Codec, site: str, layout: Layout | None) -> None:
         self.packed = packed
         self.codec = codec
         self.site = site
+        self.layout = layout
         self.pending = 1
         self.decoded: torch.Tensor | None = None
 
     def unpack(self) -> torch.Tensor:
-        out = self.decoded if self.decoded is not None else self.codec.decode(self.packed)
+        out = self.decoded
+        if out is None:
+            out = restore(self.codec.decode(self.packed), self.layout)
         self.pending -= 1
         self.decoded = out if self.pending > 0 else None
         return out
@@ -273,8 +278,9 @@ class ActivationCompressor:
             codec = self.policy.codec_for(site, t)
             if codec is None:
                 return self._keep(site, t, raw, "policy")
+        part, layout = compact(t.detach())
         try:
-            packed = codec.encode(t.detach(), self._seed_for(site))
+            packed = codec.encode(part, self._seed_for(site))
         except Exception as err:
             if self.strict:
                 raise
@@ -291,7 +297,7 @@ class ActivationCompressor:
         self._charge(nbytes)
         self.stats.tensors_packed += 1
         self.stats.packed_bytes += nbytes
-        saved = _Saved(packed, codec, site.key)
+        saved = _Saved(packed, codec, site.key, layout)
         weakref.finalize(saved, self._release, nbytes)
         self._dedup[key] = (weakref.ref(_anchor(t)), weakref.ref(saved))
         fixed = {id(self._mask_codec): "1 bit", id(self._int_codec): "lossless"}

@@ -75,11 +75,18 @@ class ModuleTracker:
             self._names[id(module)] = name
         return name
 
+    # Inside a region that ``torch.compile`` traces, the hooks do nothing: Dynamo would
+    # otherwise trace ``threading.get_ident`` (a graph break and a warning), and the
+    # compiled graph saves its tensors at its end anyway, all under the enclosing module.
     def _enter(self, module: nn.Module, args: object) -> None:
+        if torch.compiler.is_compiling():
+            return
         if threading.get_ident() == self._thread:
             self._stack.append((self._name_of(module), type(module).__name__))
 
     def _exit(self, module: nn.Module, args: object, output: object) -> None:
+        if torch.compiler.is_compiling():
+            return
         if threading.get_ident() == self._thread and self._stack:
             self._stack.pop()
 

@@ -29,14 +29,18 @@ _MISSING = object()
 # -- running training_step outside the loop ---------------------------------------
 @contextlib.contextmanager
 def no_logging(pl_module: LightningModule) -> Iterator[None]:
-    """``self.log``/``self.log_dict`` do nothing meanwhile (an extra ``training_step``)."""
-    previous = {name: pl_module.__dict__.get(name, _MISSING) for name in ("log", "log_dict")}
+    """``self.log``/``self.log_dict`` do nothing meanwhile (an extra ``training_step``),
+    and ``pl_module.acgc_calibrating`` is True, so the step can tell
+    (``getattr(self, "acgc_calibrating", False)``)."""
+    names = ("log", "log_dict", "acgc_calibrating")
+    previous = {name: pl_module.__dict__.get(name, _MISSING) for name in names}
 
     def _no_log(*args: Any, **kwargs: Any) -> None:
         return None
 
     pl_module.__dict__["log"] = _no_log
     pl_module.__dict__["log_dict"] = _no_log
+    pl_module.__dict__["acgc_calibrating"] = True
     try:
         yield
     finally:
@@ -52,7 +56,8 @@ def offline(pl_module: LightningModule) -> Iterator[None]:
     """Undo the side effects of an extra ``training_step`` call: the RNG states and
     buffers are restored (:func:`~lightning_acgc.engine.no_side_effects`) and logging is
     off (:func:`no_logging`). Other side effects of the user's ``training_step`` (metric
-    objects updated, counters) do happen twice."""
+    objects updated, counters) do happen twice; ``pl_module.acgc_calibrating`` is True
+    meanwhile."""
     with no_logging(pl_module), no_side_effects(pl_module):
         yield
 
