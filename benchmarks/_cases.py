@@ -77,36 +77,9 @@ CASES: dict[str, dict[str, Case]] = {
         "resnet50_imagenet": Case(
             "resnet", ("model=resnet50_imagenet", "data.in_channels=3"), 4, 224
         ),
-        "bert_base": Case(
-            "bert",
-            (
-                "model=bert_base",
-                "data.seq_len=128",
-                "data.vocab_size=30522",
-                "data.num_samples=256",
-            ),
-            8,
-        ),
-        "bert_small": Case(
-            "bert",
-            (
-                "model=bert_small",
-                "data.seq_len=128",
-                "data.vocab_size=30522",
-                "data.num_samples=256",
-            ),
-            16,
-        ),
-        "bert_mini": Case(
-            "bert",
-            (
-                "model=bert_mini",
-                "data.seq_len=128",
-                "data.vocab_size=30522",
-                "data.num_samples=256",
-            ),
-            32,
-        ),
+        "bert_base": Case("bert", ("model=bert_base", *TEXT), 4),
+        "bert_small": Case("bert", ("model=bert_small", *TEXT), 16),
+        "bert_mini": Case("bert", ("model=bert_mini", *TEXT), 32),
         "gcn_256": Case("gnn", ("model=gcn_256", *ARXIV)),
         "sage_256": Case("gnn", ("model=sage_256", *ARXIV)),
         "gat_256": Case("gnn", ("model=gat_256", *ARXIV)),

@@ -24,6 +24,7 @@ from benchmarks._machine import (
     machine,
     progress,
     resolve_device,
+    setup_threads,
     synchronize,
 )
 from lightning_acgc import ActivationCompressor, build_policy, compressed_step
@@ -50,6 +51,7 @@ __all__ = [
     "make_runner",
     "progress",
     "resolve_device",
+    "setup_threads",
     "synchronize",
     "timed_step",
 ]

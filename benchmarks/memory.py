@@ -1,25 +1,30 @@
-"""Activation memory of one training step per recipe model: plain training,
+"""Activation memory of one training step per model: plain training,
 ``torch.utils.checkpoint`` per block, and each policy, measured side by side.
 
-Prints one JSON line. For each recipe model (ResNet, BERT, GNN at their offline
-defaults; small sizes with ``--quick``) and configuration:
+Prints one JSON line. For each case (``benchmarks/_cases.py``: the size presets in full
+mode, small models with ``--quick``) and configuration:
 
 - ``saved_bytes`` / ``kept_bytes`` / ``ratio``: activations autograd saves in one plain
   training step (the engine's meter, nothing compressed) and what each configuration
   keeps instead. Policies first run their calibration steps (``CALIBRATION_STEPS``,
   with the exact gradient where the policy verifies); the ordinary step after them is
   measured. ``meter_saved_bytes`` / ``meter_ratio``: the meter's own count under
-  compression (what ``acgc/ratio`` logs); it exceeds ``saved_bytes`` where one tensor
-  is packed more than once. ``checkpoint`` (non-reentrant, per residual block, encoder
-  layer or conv layer): the meter, plus the block inputs that checkpointing keeps.
-- ``rss_step_peak_mb``: whole-process memory during one step above the memory before it.
-  CPU: peak RSS of a child process per configuration, forked from a server that has
-  imported everything once (``/proc/self/clear_refs`` resets the high-water mark after a
+  compression (what ``acgc/ratio`` logs). ``checkpoint`` (non-reentrant, per residual
+  block, encoder layer or message-passing layer): the meter, plus the block inputs that
+  checkpointing keeps.
+- ``grad_error``: ‖ĝ − g‖/‖g‖ of the measured step against the exact gradient of the
+  same batch (dropout seeded alike); ``calibration_grad_error``: the policy's own
+  reading on its last calibration step.
+- ``step_peak_mb``: whole-process memory during one step above the memory before it, in
+  a child process per configuration forked from a server that has imported everything
+  once. CPU: the RSS high-water mark (``/proc/self/clear_refs`` resets it after a
   warm-up step; where it cannot, ``ru_maxrss`` of the first step); GPU:
-  ``torch.cuda.max_memory_allocated`` (also in a child per configuration).
+  ``torch.cuda.max_memory_allocated``. ``predicted_step_peak_mb``: plain's peak less the
+  activation bytes the configuration no longer keeps; ``peak_vs_predicted``: their
+  ratio. ``timeline``: [ms, MB above the start] through the step, sampled every ms.
 - ``sites`` (``acgc``): per site, bytes before and after, codec and setting.
 
-    python -m benchmarks.memory [--quick] [--models resnet bert gnn] [--device auto]
+    python -m benchmarks.memory [--quick] [--models resnet50_imagenet ...] [--device cuda]
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ from benchmarks._tables import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
+README_PATH = ROOT / "README.md"
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ROOT / "docs"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--mode", choices=("auto", *MODES), default="auto")
-    parser.add_argument("--readme", type=Path, default=ROOT / "README.md")
+    parser.add_argument("--readme", type=Path, default=README_PATH)
     parser.add_argument("--docs", type=Path, default=DOCS)
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
