@@ -8,11 +8,13 @@ this size, or a generated batch of the preset's input size (ImageNet-size images
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
+from torch_geometric.data import Data
 
-__all__ = ["CASES", "DEFAULT_CASES", "FAMILIES", "Case", "generated_batch"]
+__all__ = ["CASES", "DEFAULT_CASES", "FAMILIES", "Case", "generated_batch", "sparse_adjacency"]
 
 FAMILIES = ("resnet", "bert", "gnn")
 
@@ -39,18 +41,23 @@ class Case:
         overrides: Hydra overrides of the recipe's config.
         batch_size: samples per step (``None``: the whole graph).
         image_size: side of generated images (``None``: the recipe's data).
+        sparse_adjacency: pass the graph's edges as a sparse CSR adjacency matrix
+            (``adj_t``), so that message passing runs as one sparse-dense product
+            instead of a gather and a scatter over every edge (how full-batch
+            ogbn-arxiv models are trained; about 2x faster here at that scale).
     """
 
     family: str
     overrides: tuple[str, ...]
     batch_size: int | None = None
     image_size: int | None = None
+    sparse_adjacency: bool = False
 
     def with_batch_size(self, batch_size: int | None) -> Case:
         """The same case with another batch size (``None``: unchanged)."""
         if batch_size is None or self.batch_size is None:
             return self
-        return Case(self.family, self.overrides, batch_size, self.image_size)
+        return dataclasses.replace(self, batch_size=batch_size)
 
     def compose_overrides(self) -> list[str]:
         out = list(self.overrides)
@@ -80,8 +87,8 @@ CASES: dict[str, dict[str, Case]] = {
         "bert_base": Case("bert", ("model=bert_base", *TEXT), 4),
         "bert_small": Case("bert", ("model=bert_small", *TEXT), 16),
         "bert_mini": Case("bert", ("model=bert_mini", *TEXT), 32),
-        "gcn_256": Case("gnn", ("model=gcn_256", *ARXIV)),
-        "sage_256": Case("gnn", ("model=sage_256", *ARXIV)),
+        "gcn_256": Case("gnn", ("model=gcn_256", *ARXIV), sparse_adjacency=True),
+        "sage_256": Case("gnn", ("model=sage_256", *ARXIV), sparse_adjacency=True),
         "gat_256": Case("gnn", ("model=gat_256", *ARXIV)),
     },
 }
@@ -89,7 +96,7 @@ CASES: dict[str, dict[str, Case]] = {
 # What ``run_all --full`` measures: one case per family (the others: --models).
 DEFAULT_CASES = {
     "quick": ("resnet", "bert", "gnn"),
-    "full": ("resnet50_imagenet", "bert_base", "sage_256"),
+    "full": ("resnet50_imagenet", "bert_base", "gcn_256"),
 }
 
 
@@ -102,3 +109,14 @@ def generated_batch(
     images = torch.randn(n, in_channels, side, side, generator=generator)
     labels = torch.randint(0, num_classes, (n,), generator=generator)
     return images, labels
+
+
+def sparse_adjacency(graph: Data) -> Data:
+    """The graph with ``edge_index`` replaced by the transposed adjacency matrix in
+    sparse CSR layout (row = target node), which torch_geometric's convolutions take."""
+    from torch_geometric.utils import to_torch_csr_tensor
+
+    n = graph.num_nodes
+    graph = graph.clone()
+    graph.edge_index = to_torch_csr_tensor(graph.edge_index.flip(0), size=(n, n))
+    return graph

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from benchmarks._cases import CASES, DEFAULT_CASES, generated_batch
+from benchmarks._cases import CASES, DEFAULT_CASES, generated_batch, sparse_adjacency
 from benchmarks._machine import (
     add_common_arguments,
     emit,
@@ -125,9 +125,13 @@ def _describe(name: str, cfg: DictConfig, batch: Any, generated: bool = False) -
             f"BERT {m.num_layers}x{m.hidden_size} ({m.num_heads} heads, {m.attn_implementation} "
             f"attention), text seq {seq}, batch {n}"
         )
+    edges = batch.edge_index
+    sparse = not isinstance(edges, torch.Tensor) or edges.layout != torch.strided
+    count = edges._nnz() if sparse else edges.shape[1]
     return (
-        f"{m.arch.upper()} {m.num_layers}x{m.hidden_channels}, SBM graph {d.num_nodes} nodes "
-        f"{batch.num_edges} directed edges {d.num_features} features (full batch)"
+        f"{m.arch.upper()} {m.num_layers}x{m.hidden_channels}, SBM graph {d.num_nodes} nodes, "
+        f"{count} directed edges, {d.num_features} features, full batch"
+        + (", sparse adjacency" if sparse else "")
     )
 
 
@@ -170,6 +174,8 @@ def build_case(
     if case.image_size is None:
         datamodule.setup("fit")
         batch = next(iter(datamodule.train_dataloader()))
+        if case.sparse_adjacency:
+            batch = sparse_adjacency(batch)
     else:
         batch = generated_batch(case, cfg.data.in_channels, cfg.data.num_classes, seed)
     torch.manual_seed(seed)
