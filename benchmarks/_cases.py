@@ -113,7 +113,9 @@ def generated_batch(
 
 def sparse_adjacency(graph: Data) -> Data:
     """The graph with ``edge_index`` replaced by the transposed adjacency matrix in
-    sparse CSR layout (row = target node), which torch_geometric's convolutions take."""
+    sparse CSR layout (row = target node), which torch_geometric's convolutions take.
+    The same model for graphs without self-loops (the SBM graphs have none): on a sparse
+    adjacency GCN adds its self-loops without first dropping existing ones."""
     from torch_geometric.utils import to_torch_csr_tensor
 
     n = graph.num_nodes
