@@ -3,13 +3,9 @@ configurations compared (plain, ``torch.utils.checkpoint`` per block, each polic
 
 from __future__ import annotations
 
-import argparse
 import copy
-import datetime
 import functools
-import json
-import os
-import platform
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,13 +17,25 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+from benchmarks._cases import CASES, DEFAULT_CASES, generated_batch, sparse_adjacency
+from benchmarks._machine import (
+    add_common_arguments,
+    emit,
+    machine,
+    progress,
+    resolve_device,
+    setup_threads,
+    synchronize,
+)
 from lightning_acgc import ActivationCompressor, EngineSettings, build_policy, compressed_step
 from lightning_acgc.engine.meter import CompressionStats
 from lightning_acgc.policies import OffPolicy, Policy
 
 __all__ = [
     "CALIBRATION_STEPS",
+    "CASES",
     "CONFIGS",
+    "DEFAULT_CASES",
     "MEASURED_STEP",
     "MODELS",
     "POLICIES",
@@ -35,13 +43,17 @@ __all__ = [
     "Recipe",
     "Runner",
     "add_common_arguments",
+    "build_case",
     "build_recipe",
     "count_saved",
     "emit",
     "machine",
     "make_runner",
+    "progress",
     "resolve_device",
+    "setup_threads",
     "synchronize",
+    "timed_step",
 ]
 
 MODELS = ("resnet", "bert", "gnn")
@@ -64,6 +76,7 @@ POLICIES: dict[str, tuple[str, dict[str, Any]]] = {
     "division": ("division", {}),
     "comet": ("comet", {}),
     "quant2": ("fixed", {"codec": "quant", "bits": 2}),
+    "quant4": ("fixed", {"codec": "quant", "bits": 4}),
 }
 CONFIGS = ("plain", "checkpoint", *POLICIES)
 
@@ -71,79 +84,6 @@ CONFIGS = ("plain", "checkpoint", *POLICIES)
 # 1) and then every 100 steps: steps 0-2 calibrate, step 3 is an ordinary step.
 CALIBRATION_STEPS = 3
 MEASURED_STEP = CALIBRATION_STEPS
-
-
-# ----------------------------------------------------------------------------- machine
-def resolve_device(name: str) -> torch.device:
-    """``"auto"``: CUDA when available, else CPU."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine(device: torch.device) -> dict[str, Any]:
-    """Where a benchmark ran: platform, CPU, core count, torch, threads, device, date."""
-    info: dict[str, Any] = {
-        "platform": platform.platform(),
-        "cpu": _cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "device": str(device),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-    if hasattr(os, "getloadavg"):
-        info["load_avg_1m"] = round(os.getloadavg()[0], 2)  # other work on the machine
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
-
-
-def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="small sizes (2 CPU cores)")
-    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch threads; default: 1 with --quick, else torch's default",
-    )
-
-
-def setup_threads(args: argparse.Namespace) -> None:
-    """Set torch's thread count (``args.threads`` is filled in with what was used).
-
-    ``--quick`` defaults to one thread: on a small machine shared with other work,
-    OpenMP threads that wait at barriers for a busy core made a 2-thread step of the
-    quick ResNet 50x slower than a 1-thread one (measured: 4.3 s vs 0.09 s).
-    """
-    if args.threads is None and args.quick:
-        args.threads = 1
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    args.threads = torch.get_num_threads()
-
-
-def emit(result: dict[str, Any]) -> None:
-    """Print the benchmark's one JSON line."""
-    print(json.dumps(result), flush=True)
 
 
 # ----------------------------------------------------------------------------- recipes
@@ -169,20 +109,29 @@ class Recipe:
         return F.cross_entropy(logits, targets)
 
 
-def _describe(name: str, cfg: DictConfig, batch: Any) -> str:
+def _describe(name: str, cfg: DictConfig, batch: Any, generated: bool = False) -> str:
     m, d = cfg.model, cfg.data
     if name == "resnet":
         x = batch[0]
-        return f"ResNet-{m.depth} x{m.width:g}, digits {tuple(x.shape[1:])}, batch {x.shape[0]}"
+        stem = "CIFAR stem" if m.cifar_stem else "ImageNet stem"
+        data = "generated" if generated else "digits"
+        return (
+            f"ResNet-{m.depth} x{m.width:g} ({stem}), {data} {tuple(x.shape[1:])}, "
+            f"batch {x.shape[0]}"
+        )
     if name == "bert":
         n, seq = batch[0].shape
         return (
-            f"BERT {m.num_layers}x{m.hidden_size} ({m.attn_implementation} attention), "
-            f"text seq {seq}, batch {n}"
+            f"BERT {m.num_layers}x{m.hidden_size} ({m.num_heads} heads, {m.attn_implementation} "
+            f"attention), text seq {seq}, batch {n}"
         )
+    edges = batch.edge_index
+    sparse = not isinstance(edges, torch.Tensor) or edges.layout != torch.strided
+    count = edges._nnz() if sparse else edges.shape[1]
     return (
-        f"{m.arch.upper()} {m.num_layers}x{m.hidden_channels}, SBM graph {d.num_nodes} nodes "
-        f"(full batch)"
+        f"{m.arch.upper()} {m.num_layers}x{m.hidden_channels}, SBM graph {d.num_nodes} nodes, "
+        f"{count} directed edges, {d.num_features} features, full batch"
+        + (", sparse adjacency" if sparse else "")
     )
 
 
@@ -193,7 +142,8 @@ def build_recipe(
     seed: int = 0,
     overrides: Sequence[str] = (),
 ) -> Recipe:
-    """The recipe's model (seeded) and first training batch on ``device``."""
+    """The recipe's model (seeded) and first training batch on ``device``, at the sizes
+    of ``SIZES`` (the recipes' own data; used by the accuracy-side benchmarks)."""
     from recipes.config_schema import compose_config
 
     cfg = compose_config([*SIZES["quick" if quick else "full"][name], f"seed={seed}", *overrides])
@@ -203,6 +153,50 @@ def build_recipe(
     module = instantiate(cfg.model).to(device).train()
     batch = _to(next(iter(datamodule.train_dataloader())), device)
     return Recipe(name, cfg, module, batch, datamodule, _describe(name, cfg, batch))
+
+
+def build_case(
+    case_name: str,
+    quick: bool,
+    device: torch.device,
+    seed: int = 0,
+    batch_size: int | None = None,
+    overrides: Sequence[str] = (),
+) -> Recipe:
+    """A case of ``CASES`` (its family is the recipe's name): the model (seeded) and one
+    batch on ``device``: the recipe's first training batch, or a generated one where the
+    case has an image size of its own."""
+    from recipes.config_schema import compose_config
+
+    case = CASES["quick" if quick else "full"][case_name].with_batch_size(batch_size)
+    cfg = compose_config([*case.compose_overrides(), f"seed={seed}", *overrides])
+    datamodule = instantiate(cfg.data)
+    if case.image_size is None:
+        datamodule.setup("fit")
+        batch = next(iter(datamodule.train_dataloader()))
+        if case.sparse_adjacency:
+            batch = sparse_adjacency(batch)
+    else:
+        batch = generated_batch(case, cfg.data.in_channels, cfg.data.num_classes, seed)
+    torch.manual_seed(seed)
+    module = instantiate(cfg.model).to(device).train()
+    batch = _to(batch, device)
+    description = _describe(case.family, cfg, batch, case.image_size is not None)
+    return Recipe(case.family, cfg, module, batch, datamodule, description)
+
+
+def timed_step(step: Callable[[], Any], device: torch.device) -> float:
+    """Seconds that ``step()`` takes: CUDA events on a GPU, a wall clock elsewhere."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    begin = time.perf_counter()
+    step()
+    return time.perf_counter() - begin
 
 
 def checkpoint_blocks(name: str, module: nn.Module) -> list[str]:

@@ -9,8 +9,11 @@ optimizer state; it is set per model so that plain training fits about
 ``--plain-batch`` samples (from the saved bytes per sample of one plain step). The GNN
 recipe trains on the whole graph (no batch dimension) and is left out.
 
-``--quick``: ResNet and BERT at small sizes, acgc and quant2, ``power`` search (doubling).
-Full: every policy, ``binsearch``.
+``--quick``: ResNet and BERT at small sizes. Full: the full-width ResNet-18 (CIFAR stem,
+digits in 3 channels) and BERT-mini (sequences of 128). On CPU both search by doubling
+(``power``) for acgc and quant2, the budget fitting 48 plain samples (quick) or 8 (full:
+a trial step at 16x that batch takes about a minute on 2 cores); on a GPU every policy,
+``binsearch``, 48 samples.
 
     python -m benchmarks.batch [--quick] [--plain-batch 48] [--mode power|binsearch]
 """
@@ -18,6 +21,7 @@ Full: every policy, ``binsearch``.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 from typing import Any
 
@@ -27,7 +31,7 @@ from lightning.pytorch import Trainer
 from benchmarks._harness import (
     POLICIES,
     add_common_arguments,
-    build_recipe,
+    build_case,
     count_saved,
     emit,
     machine,
@@ -37,15 +41,16 @@ from benchmarks._harness import (
 from lightning_acgc import ActivationCompression, CompressedBatchSizeFinder
 from lightning_acgc.lightning.batch_size import static_memory_bytes
 
-MODELS = ("resnet", "bert")  # the GNN recipe has no batch dimension
+# the GNN recipe has no batch dimension
+MODELS = {"quick": ("resnet", "bert"), "full": ("resnet18", "bert_mini")}
 # the text task's default size, so that the search is not capped by a small data set
-DATA = {"bert": ["data.num_samples=6000"]}
+DATA = {"bert": ["data.num_samples=6000"], "bert_mini": ["data.num_samples=6000"]}
 MB = 2**20
 
 
 def budget_for(name: str, quick: bool, device: torch.device, plain_batch: int) -> dict[str, Any]:
     """A memory budget in which plain training fits about ``plain_batch`` samples."""
-    recipe = build_recipe(name, quick, device, overrides=DATA.get(name, ()))
+    recipe = build_case(name, quick, device, overrides=DATA.get(name, ()))
     batch_size = recipe.datamodule.batch_size
     per_sample = count_saved(recipe, recipe.module) / batch_size
     params = recipe.module.parameters()
@@ -71,7 +76,7 @@ def search(
     root_dir: str,
 ) -> dict[str, Any]:
     """One fit whose start runs the tuner without, then with compression."""
-    recipe = build_recipe(name, args.quick, device, overrides=DATA.get(name, ()))
+    recipe = build_case(name, args.quick, device, overrides=DATA.get(name, ()))
     policy, options = POLICIES[config]
     finder = CompressedBatchSizeFinder(
         args.mode, steps_per_trial=1, init_val=2, max_val=args.max_val
@@ -112,18 +117,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_common_arguments(parser)
-    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument(
-        "--configs", nargs="+", choices=list(POLICIES), help="default: all (quick: acgc quant2)"
+        "--models", nargs="+", help="default: resnet bert; full: resnet18 bert_mini"
     )
-    parser.add_argument("--plain-batch", type=int, default=48)
-    parser.add_argument("--mode", choices=("power", "binsearch"), help="default: power quick")
+    parser.add_argument(
+        "--configs", nargs="+", choices=list(POLICIES), help="default: all (CPU: acgc quant2)"
+    )
+    parser.add_argument("--plain-batch", type=int, help="default: 48 (full on CPU: 8)")
+    parser.add_argument("--batch-size", type=int, help="ignored (run_all passes it on)")
+    parser.add_argument("--mode", choices=("power", "binsearch"), help="default: power on CPU")
     parser.add_argument("--max-val", type=int, default=8192)
     args = parser.parse_args(argv)
     setup_threads(args)
-    args.mode = args.mode or ("power" if args.quick else "binsearch")
-    configs = args.configs or (["acgc", "quant2"] if args.quick else list(POLICIES))
     device = resolve_device(args.device)
+    on_cpu = device.type == "cpu"
+    mode = "quick" if args.quick else "full"
+    args.models = args.models or list(MODELS[mode])
+    if args.plain_batch is None:
+        args.plain_batch = 8 if on_cpu and not args.quick else 48
+    args.mode = args.mode or ("power" if args.quick or on_cpu else "binsearch")
+    configs = args.configs or (["acgc", "quant2"] if args.quick or on_cpu else list(POLICIES))
+    print(
+        f"batch ({mode}): {args.models}, {configs}, {args.mode} search, budget for "
+        f"{args.plain_batch} plain samples, {device}",
+        file=sys.stderr,
+    )
     models: dict[str, Any] = {}
     for name in args.models:
         info = budget_for(name, args.quick, device, args.plain_batch)
@@ -136,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         models[name] = info
     result = {
         "benchmark": "batch",
-        "mode": "quick" if args.quick else "full",
+        "mode": mode,
         "machine": machine(device),
         "search": args.mode,
         "plain_batch_target": args.plain_batch,

@@ -1,35 +1,38 @@
-"""Activation memory of one training step per recipe model: plain training,
+"""Activation memory of one training step per model: plain training,
 ``torch.utils.checkpoint`` per block, and each policy, measured side by side.
 
-Prints one JSON line. For each recipe model (ResNet, BERT, GNN at their offline
-defaults; small sizes with ``--quick``) and configuration:
+Prints one JSON line. For each case (``benchmarks/_cases.py``: the size presets in full
+mode, small models with ``--quick``) and configuration:
 
 - ``saved_bytes`` / ``kept_bytes`` / ``ratio``: activations autograd saves in one plain
   training step (the engine's meter, nothing compressed) and what each configuration
   keeps instead. Policies first run their calibration steps (``CALIBRATION_STEPS``,
   with the exact gradient where the policy verifies); the ordinary step after them is
   measured. ``meter_saved_bytes`` / ``meter_ratio``: the meter's own count under
-  compression (what ``acgc/ratio`` logs); it exceeds ``saved_bytes`` where one tensor
-  is packed more than once. ``checkpoint`` (non-reentrant, per residual block, encoder
-  layer or conv layer): the meter, plus the block inputs that checkpointing keeps.
-- ``rss_step_peak_mb``: whole-process memory during one step above the memory before it.
-  CPU: peak RSS of a child process per configuration, forked from a server that has
-  imported everything once (``/proc/self/clear_refs`` resets the high-water mark after a
+  compression (what ``acgc/ratio`` logs). ``checkpoint`` (non-reentrant, per residual
+  block, encoder layer or message-passing layer): the meter, plus the block inputs that
+  checkpointing keeps.
+- ``grad_error``: ‖ĝ − g‖/‖g‖ of the measured step against the exact gradient of the
+  same batch (dropout seeded alike); ``calibration_grad_error``: the policy's own
+  reading on its last calibration step.
+- ``step_peak_mb``: whole-process memory during one step above the memory before it, in
+  a child process per configuration forked from a server that has imported everything
+  once. CPU: the RSS high-water mark (``/proc/self/clear_refs`` resets it after a
   warm-up step; where it cannot, ``ru_maxrss`` of the first step); GPU:
-  ``torch.cuda.max_memory_allocated`` (also in a child per configuration).
+  ``torch.cuda.max_memory_allocated``. ``predicted_step_peak_mb``: plain's peak less the
+  activation bytes the configuration no longer keeps; ``peak_vs_predicted``: their
+  ratio. ``timeline``: [ms, MB above the start] through the step, sampled every ms.
 - ``sites`` (``acgc``): per site, bytes before and after, codec and setting.
 
-    python -m benchmarks.memory [--quick] [--models resnet bert gnn] [--device auto]
+    python -m benchmarks.memory [--quick] [--models resnet50_imagenet ...] [--device cuda]
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import multiprocessing
 import pickle
-import resource
 import sys
 import tempfile
 from multiprocessing.connection import Connection
@@ -40,93 +43,68 @@ import torch
 
 from benchmarks._harness import (
     CALIBRATION_STEPS,
+    CASES,
     CONFIGS,
+    DEFAULT_CASES,
     MEASURED_STEP,
-    MODELS,
     POLICIES,
+    Recipe,
+    Runner,
     add_common_arguments,
-    build_recipe,
+    build_case,
     count_saved,
     emit,
     machine,
     make_runner,
+    progress,
     resolve_device,
     setup_threads,
     synchronize,
 )
+from benchmarks._peak import (
+    Timeline,
+    limit_malloc,
+    maxrss_bytes,
+    peak_rss_bytes,
+    reset_peak_rss,
+    rss_bytes,
+)
 
 MB = 2**20
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
-
-
-# ----------------------------------------------------------------------------- RSS
-def _status_kb(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def _rss_bytes() -> int:
-    kb = _status_kb("VmRSS")
-    if kb is not None:
-        return 1024 * kb
-    return _maxrss_bytes()  # no /proc: the best there is
-
-
-def _maxrss_bytes() -> int:
-    value = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return value if sys.platform == "darwin" else 1024 * value
-
-
-def _reset_peak_rss() -> bool:
-    """Reset the process's RSS high-water mark (Linux >= 4.0); False where impossible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    hwm = _status_kb("VmHWM")
-    return hwm is not None and 1024 * hwm <= _rss_bytes() + 1024
-
-
-def _peak_rss_bytes() -> int:
-    hwm = _status_kb("VmHWM")
-    return 1024 * hwm if hwm is not None else _maxrss_bytes()
 
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
     """One configuration's step in a fresh process: the peak memory during it."""
     setup_threads(args)
     device = resolve_device(args.device)
-    recipe = build_recipe(args.model, args.quick, device)
+    recipe = build_case(args.model, args.quick, device, batch_size=args.batch_size)
     runner = make_runner(args.config, recipe)
     if args.state:
         with open(args.state, "rb") as f:
             runner.policy.load_state_dict(pickle.load(f))  # the parent's calibration
-    can_reset = _reset_peak_rss()
+    can_reset = reset_peak_rss()
     if can_reset:
         runner.step()  # warm-up: one-time allocations (thread pools, kernels' caches)
     gc.collect()
     synchronize(device)
+    cuda_before = 0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         cuda_before = torch.cuda.memory_allocated(device)
     if can_reset:
-        _reset_peak_rss()
-    before = _rss_bytes()
-    runner.step()
-    synchronize(device)
-    peak = _peak_rss_bytes() if can_reset else _maxrss_bytes()
+        reset_peak_rss()
+    before = rss_bytes()
+    with Timeline(device) as timeline:
+        runner.step()
+        synchronize(device)
+    peak = peak_rss_bytes() if can_reset else maxrss_bytes()
+    base = cuda_before if device.type == "cuda" else before
     out = {
         "rss_before_mb": round(before / MB, 2),
         "rss_peak_mb": round(peak / MB, 2),
         "rss_step_peak_mb": round((peak - before) / MB, 2),
         "peak_method": "VmHWM after clear_refs" if can_reset else "ru_maxrss, first step",
+        "timeline": timeline.points(base),
     }
     if device.type == "cuda":
         out["cuda_step_peak_mb"] = round(
@@ -135,20 +113,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _limit_malloc() -> None:
-    """glibc: return freed blocks above 128 KiB to the system at once (no dynamic mmap
-    threshold), so that the RSS before a step is not inflated by the warm-up step's
-    freed memory. Elsewhere nothing is changed."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    libc.mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
-    libc.mallopt(_M_TRIM_THRESHOLD, 128 * 1024)
-
-
 def _child_main(conn: Connection, options: dict[str, Any]) -> None:
-    _limit_malloc()
+    limit_malloc()
     try:
         result = child(argparse.Namespace(**options))
     except Exception as err:  # reported in the JSON, the other configurations go on
@@ -175,6 +141,7 @@ def run_child(
         "device": args.device,
         "threads": args.threads,
         "quick": args.quick,
+        "batch_size": args.batch_size,
         "model": model,
         "config": config,
         "state": None if state is None else str(state),
@@ -208,53 +175,102 @@ def _sites(stats: Any) -> list[dict[str, Any]]:
     ]
 
 
+GRAD_SEED = 1234  # the same dropout masks in the exact and the measured step
+
+
+def _gradients(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() for p in module.parameters() if p.grad is not None]
+
+
+def gradient_error(exact: list[torch.Tensor], runner: Runner) -> float:
+    """‖ĝ − g‖/‖g‖ of the step just run against the exact gradient of the same batch."""
+    got = _gradients(runner.module)
+    num = sum(float((a - b).double().square().sum()) for a, b in zip(got, exact, strict=True))
+    den = sum(float(b.double().square().sum()) for b in exact)
+    return (num / den) ** 0.5 if den > 0 else float("nan")
+
+
+def _measure_config(
+    config: str, recipe: Recipe, plain_bytes: int, exact: list[torch.Tensor], tmp: Path
+) -> tuple[dict[str, Any], Path | None, Any]:
+    """One configuration in this process: bytes kept, gradient error, its policy's state."""
+    runner = make_runner(config, recipe)
+    state, stats = None, None
+    if config == "plain":
+        row: dict[str, Any] = {"saved_bytes": plain_bytes, "kept_bytes": plain_bytes}
+    elif config == "checkpoint":
+        kept = count_saved(recipe, runner.module, runner.blocks)
+        row = {"saved_bytes": plain_bytes, "kept_bytes": kept, "blocks": len(runner.blocks)}
+    else:
+        calibration = runner.calibrate()
+        measured = [m["grad_error"] for m in calibration if "grad_error" in m]
+        torch.manual_seed(GRAD_SEED)
+        stats = runner.step(MEASURED_STEP)
+        # ratio against what plain training saves; the meter's own count of saved bytes
+        # (the denominator of acgc/ratio) is kept beside it
+        row = {
+            "saved_bytes": plain_bytes,
+            "kept_bytes": stats.packed_bytes,
+            "meter_saved_bytes": stats.saved_bytes,
+            "meter_ratio": round(stats.ratio, 3),
+        }
+        if measured:
+            row["calibration_grad_error"] = round(measured[-1], 5)  # the policy's own reading
+        state = tmp / f"{recipe.name}-{config}.pkl"
+        with open(state, "wb") as f:
+            pickle.dump(runner.policy.state_dict(), f)
+    if config != "plain" and stats is None:
+        torch.manual_seed(GRAD_SEED)
+        runner.step(MEASURED_STEP)
+    row["grad_error"] = 0.0 if config == "plain" else round(gradient_error(exact, runner), 5)
+    runner.close()
+    return row, state, stats
+
+
 def measure_model(args: argparse.Namespace, name: str, tmp: Path) -> dict[str, Any]:
     device = resolve_device(args.device)
-    recipe = build_recipe(name, args.quick, device)
+    recipe = build_case(name, args.quick, device, batch_size=args.batch_size)
     plain_bytes = count_saved(recipe, recipe.module)
+    exact_runner = make_runner("plain", recipe)
+    torch.manual_seed(GRAD_SEED)
+    exact_runner.step(MEASURED_STEP)
+    exact = _gradients(exact_runner.module)
+    del exact_runner
     configs: dict[str, dict[str, Any]] = {}
     sites: dict[str, list] = {}
-    for config in args.configs:
-        state = None
-        if config == "plain":
-            row: dict[str, Any] = {"saved_bytes": plain_bytes, "kept_bytes": plain_bytes}
-        elif config == "checkpoint":
-            runner = make_runner(config, recipe)
-            kept = count_saved(recipe, runner.module, runner.blocks)
-            row = {"saved_bytes": plain_bytes, "kept_bytes": kept, "blocks": len(runner.blocks)}
-        else:
-            runner = make_runner(config, recipe)
-            calibration = runner.calibrate()
-            stats = runner.step(MEASURED_STEP)
-            # ratio against what plain training saves; the meter's own count of saved
-            # bytes (the denominator of acgc/ratio) is kept beside it
-            row = {
-                "saved_bytes": plain_bytes,
-                "kept_bytes": stats.packed_bytes,
-                "meter_saved_bytes": stats.saved_bytes,
-                "meter_ratio": round(stats.ratio, 3),
-            }
-            measured = [m["grad_error"] for m in calibration if "grad_error" in m]
-            if measured:
-                row["grad_error"] = round(measured[-1], 5)  # last calibration step
-            if config == "acgc":
-                sites[config] = _sites(stats)
-            state = tmp / f"{name}-{config}.pkl"
-            with open(state, "wb") as f:
-                pickle.dump(runner.policy.state_dict(), f)
-            runner.close()
+    for config in progress(args.configs, f"memory {name}"):
+        row, state, stats = _measure_config(config, recipe, plain_bytes, exact, tmp)
+        if config == "acgc" and stats is not None:
+            sites[config] = _sites(stats)
         row["ratio"] = round(row["saved_bytes"] / row["kept_bytes"], 3)
         row["saved_mb"] = round(row["saved_bytes"] / MB, 3)
         row["kept_mb"] = round(row["kept_bytes"] / MB, 3)
         if not args.no_peak:
             row.update(run_child(args, name, config, state))
         configs[config] = row
-    plain_peak = configs.get("plain", {}).get("rss_step_peak_mb")
+    _predict_peaks(configs, device)
+    return {
+        "family": recipe.name,
+        "description": recipe.description,
+        "configs": configs,
+        "sites": sites,
+    }
+
+
+def _predict_peaks(configs: dict[str, dict[str, Any]], device: torch.device) -> None:
+    """Each configuration's step peak beside what its activation ratio predicts: plain's
+    peak less the activation bytes it no longer keeps."""
+    key = "cuda_step_peak_mb" if device.type == "cuda" else "rss_step_peak_mb"
+    plain_peak = configs.get("plain", {}).get(key)
     for row in configs.values():
-        peak = row.get("rss_step_peak_mb")
-        if plain_peak and peak is not None:
-            row["step_peak_vs_plain"] = round(peak / plain_peak, 3)
-    return {"description": recipe.description, "configs": configs, "sites": sites}
+        peak = row.get(key)
+        if not plain_peak or peak is None:
+            continue
+        predicted = plain_peak - (row["saved_bytes"] - row["kept_bytes"]) / MB
+        row["step_peak_mb"] = peak
+        row["step_peak_vs_plain"] = round(peak / plain_peak, 3)
+        row["predicted_step_peak_mb"] = round(predicted, 2)
+        row["peak_vs_predicted"] = round(peak / predicted, 3) if predicted > 0 else None
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -262,17 +278,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_common_arguments(parser)
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--models", nargs="+", help="cases of _cases.CASES; default: one a family")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    parser.add_argument("--batch-size", type=int, default=None, help="default: the case's")
     parser.add_argument("--no-peak", action="store_true", help="skip the child processes")
     args = parser.parse_args(argv)
     setup_threads(args)
+    mode = "quick" if args.quick else "full"
+    args.models = args.models or list(DEFAULT_CASES[mode])
+    unknown = sorted(set(args.models) - set(CASES[mode]))
+    if unknown:
+        parser.error(f"--models {unknown}: {mode} mode has {sorted(CASES[mode])}")
+    if "plain" not in args.configs:
+        args.configs = ["plain", *args.configs]
     device = resolve_device(args.device)
+    print(
+        f"memory ({mode}): {args.models}, batch {args.batch_size or 'of each case'}, "
+        f"{args.threads} thread(s), {device}; configurations {args.configs}",
+        file=sys.stderr,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         models = {name: measure_model(args, name, Path(tmp)) for name in args.models}
     result = {
         "benchmark": "memory",
-        "mode": "quick" if args.quick else "full",
+        "mode": mode,
         "machine": machine(device),
         "calibration_steps": CALIBRATION_STEPS,
         "policies": {k: {"policy": p, **o} for k, (p, o) in POLICIES.items()},

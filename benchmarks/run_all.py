@@ -8,8 +8,11 @@ the command and its wall time. Then ``python -m benchmarks.report`` draws the pl
 fills the table in README.md.
 
     python -m benchmarks.run_all --quick      # a few minutes on 2 CPU cores
-    python -m benchmarks.run_all              # full sizes; CUDA when available
-    python -m benchmarks.run_all --only memory speed --device cpu
+    python -m benchmarks.run_all --full       # the size presets (the default); CUDA when available
+    python -m benchmarks.run_all --full --only memory speed --device cuda --batch-size 64
+
+Full mode on 2 CPU cores: memory and speed take about 45 minutes with each case's
+default batch (see ``benchmarks/_cases.py``).
 """
 
 from __future__ import annotations
@@ -63,9 +66,10 @@ def run(name: str, options: list[str]) -> tuple[dict[str, Any] | None, float, st
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     start = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    # stderr (progress bars, settings, errors) goes to the terminal as it comes
+    done = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     seconds = time.perf_counter() - start
-    tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
+    tail = "\n".join(done.stdout.strip().splitlines()[-15:])
     if done.returncode != 0:
         return None, seconds, tail
     try:
@@ -81,7 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="small sizes (2 CPU cores)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="small sizes (2 CPU cores)")
+    mode.add_argument("--full", action="store_true", help="the size presets (the default)")
+    parser.add_argument(
+        "--batch-size", type=int, default=None, help="memory and speed: batch of every case"
+    )
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS))
@@ -90,9 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     options += ["--quick"] if args.quick else []
     options += ["--threads", str(args.threads)] if args.threads is not None else []
     failed = []
+    sized = ("memory", "speed", "batch")
     total = time.perf_counter()
     for name in args.only:
-        result, seconds, tail = run(name, options)
+        extra = []
+        if args.batch_size is not None and name in sized:
+            extra = ["--batch-size", str(args.batch_size)]
+        print(f"{name}: running (python -m benchmarks.{name} {' '.join(options + extra)})")
+        result, seconds, tail = run(name, options + extra)
         if result is None:
             failed.append(name)
             print(f"{name}: FAILED after {seconds:.0f} s\n{tail}", flush=True)

@@ -11,43 +11,45 @@ affects all alike; ``vs_plain`` is the median over rounds of the step time divid
 the plain step time of the same round. ``amortized_vs_plain`` adds one calibration
 step per ``calibrate_every`` (100) steps.
 
-    python -m benchmarks.speed [--quick] [--rounds 7] [--models resnet bert gnn]
+    python -m benchmarks.speed [--quick] [--rounds 5] [--models resnet50_imagenet bert_base]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
+import sys
 from typing import Any
 
 from benchmarks._harness import (
     CALIBRATION_STEPS,
+    CASES,
     CONFIGS,
+    DEFAULT_CASES,
     MEASURED_STEP,
-    MODELS,
     POLICIES,
     Runner,
     add_common_arguments,
-    build_recipe,
+    build_case,
     emit,
     machine,
     make_runner,
+    progress,
     resolve_device,
     setup_threads,
-    synchronize,
+    timed_step,
 )
 
 CALIBRATE_EVERY = 100  # the policies' default
 
 
 def _timed(runner: Runner, step: int) -> float:
+    """Seconds of one step (CUDA events on a GPU). The gradients are dropped after it,
+    so that the configurations' model copies do not all hold a set (BERT-base: 440 MB)."""
     device = next(runner.module.parameters()).device
-    synchronize(device)
-    start = time.perf_counter()
-    runner.step(step)
-    synchronize(device)
-    return time.perf_counter() - start
+    seconds = timed_step(lambda: runner.step(step), device)
+    runner.module.zero_grad(set_to_none=True)
+    return seconds
 
 
 def _calibration_times(runner: Runner) -> list[float]:
@@ -58,14 +60,17 @@ def _calibration_times(runner: Runner) -> list[float]:
 
 def measure_model(args: argparse.Namespace, name: str) -> dict[str, Any]:
     device = resolve_device(args.device)
-    recipe = build_recipe(name, args.quick, device)
+    recipe = build_case(name, args.quick, device, batch_size=args.batch_size)
     runners = {config: make_runner(config, recipe) for config in args.configs}
-    calibration = {config: _calibration_times(r) for config, r in runners.items()}
+    calibration = {
+        config: _calibration_times(r)
+        for config, r in progress(runners.items(), f"speed {name}: calibration", len(runners))
+    }
     for runner in runners.values():  # warm-up
-        runner.step(MEASURED_STEP)
+        _timed(runner, MEASURED_STEP)
     times: dict[str, list[float]] = {config: [] for config in runners}
     order = list(runners)
-    for i in range(args.rounds):
+    for i in progress(range(args.rounds), f"speed {name}: rounds"):
         for config in order[i % len(order) :] + order[: i % len(order)]:  # rotate the start
             times[config].append(_timed(runners[config], MEASURED_STEP))
     for runner in runners.values():
@@ -89,6 +94,7 @@ def measure_model(args: argparse.Namespace, name: str) -> dict[str, Any]:
             row["amortized_vs_plain"] = round(ratio * amortized / step, 3)
         configs[config] = row
     return {
+        "family": recipe.name,
         "description": recipe.description,
         "plain_step_ms": configs["plain"]["step_ms"],
         "configs": configs,
@@ -100,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_common_arguments(parser)
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--models", nargs="+", help="cases of _cases.CASES; default: one a family")
     parser.add_argument(
         "--configs",
         nargs="+",
@@ -108,18 +114,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         choices=CONFIGS,
         help="plain is always included",
     )
-    parser.add_argument("--rounds", type=int, default=None, help="default: 7 quick, 15 full")
+    parser.add_argument("--rounds", type=int, default=None, help="default: 7 quick, 3 full")
+    parser.add_argument("--batch-size", type=int, default=None, help="default: the case's")
     args = parser.parse_args(argv)
     setup_threads(args)
+    mode = "quick" if args.quick else "full"
     if args.rounds is None:
-        args.rounds = 7 if args.quick else 15
+        args.rounds = 7 if args.quick else 3
     if "plain" not in args.configs:
         args.configs = ["plain", *args.configs]
+    args.models = args.models or list(DEFAULT_CASES[mode])
+    unknown = sorted(set(args.models) - set(CASES[mode]))
+    if unknown:
+        parser.error(f"--models {unknown}: {mode} mode has {sorted(CASES[mode])}")
     device = resolve_device(args.device)
+    print(
+        f"speed ({mode}): {args.models}, batch {args.batch_size or 'of each case'}, "
+        f"{args.rounds} rounds, {args.threads} thread(s), {device}; {args.configs}",
+        file=sys.stderr,
+    )
     models = {name: measure_model(args, name) for name in args.models}
     result = {
         "benchmark": "speed",
-        "mode": "quick" if args.quick else "full",
+        "mode": mode,
         "machine": machine(device),
         "threads": args.threads,
         "rounds": args.rounds,

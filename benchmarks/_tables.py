@@ -1,0 +1,300 @@
+"""The Markdown tables of ``benchmarks/report.py`` and the project's bars checked
+against the numbers."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from benchmarks._plots import BAR_POLICY, LABELS, TIME_BAR, family_model
+
+__all__ = [
+    "accuracy_table",
+    "bars",
+    "batch_table",
+    "best_policy",
+    "family_table",
+    "machine_line",
+    "memory_time_table",
+    "notes",
+    "peak_notes",
+    "tradeoff_table",
+]
+
+MB = 2**20
+RATIO_BAR = 20.0  # activation ratio on the ResNet recipe
+ACCURACY_BAR_PP = 0.1  # accuracy within 0.1 pp of plain, or within plain's seed spread
+PEAK_GAP = 0.15  # measured step peak within 15% of what the activation ratio predicts
+MODEL_NAMES = {"resnet": "ResNet", "bert": "BERT", "gnn": "GNN"}
+BEST_ERROR = 0.05  # the best policy: the highest ratio at a measured error up to this
+
+
+def _name(model: str) -> str:
+    return MODEL_NAMES.get(model, model)
+
+
+def machine_line(m: dict[str, Any]) -> str:
+    text = (
+        f"{m['cpu']}, {m['cpu_count']} cores, {m['platform']}, Python {m['python']}, "
+        f"torch {m['torch']}, {m['threads']} thread(s), device {m['device']}"
+    )
+    if "gpu" in m:
+        text += f" ({m['gpu']})"
+    text += f", {m['date'][:10]}"
+    if "load_avg_1m" in m:
+        text += f"; load average {m['load_avg_1m']:g} when the memory benchmark started"
+    return text
+
+
+def _fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return f"{value:{spec}}{suffix}"
+
+
+def memory_time_table(memory: dict[str, Any] | None, speed: dict[str, Any] | None) -> list[str]:
+    if memory is None and speed is None:
+        return ["(memory and speed: not run)"]
+    source = memory or speed
+    out = [
+        "| model | configuration | activations saved → kept (MB) | ratio | step peak, measured "
+        "(predicted) MB | step time vs plain | gradient error |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for model, info in source["models"].items():
+        mem = (memory or {}).get("models", {}).get(model, {}).get("configs", {})
+        spd = (speed or {}).get("models", {}).get(model, {}).get("configs", {})
+        first = True
+        for config in LABELS:
+            if config not in mem and config not in spd:
+                continue
+            m, s = mem.get(config, {}), spd.get(config, {})
+            name, first = (info["description"] if first else ""), False
+            kept = f"{m['saved_mb']:.2f} → {m['kept_mb']:.2f}" if "kept_mb" in m else "–"
+            peak = _fmt(m.get("step_peak_mb", m.get("rss_step_peak_mb")), ".1f")
+            if config != "plain" and m.get("predicted_step_peak_mb") is not None:
+                peak += f" ({m['predicted_step_peak_mb']:.1f})"
+            out.append(
+                f"| {name} | {LABELS[config]} | {kept} | "
+                f"{_fmt(m.get('ratio'), '.1f', 'x')} | {peak} | "
+                f"{_fmt(s.get('vs_plain'), '.2f', 'x')} | {_fmt(m.get('grad_error'), '.3f')} |"
+            )
+    return out
+
+
+def accuracy_table(accuracy: dict[str, Any] | None) -> list[str]:
+    if accuracy is None:
+        return ["(accuracy: not run)"]
+    n = len(accuracy["seeds"])
+    out = [
+        f"| model | configuration | val acc, {n} seeds: mean ± std [min, max] | vs plain "
+        f"(pp) | ratio (acgc/ratio) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for model, info in accuracy["models"].items():
+        plain = info["configs"]["plain"]["mean"]
+        for i, (config, r) in enumerate(info["configs"].items()):
+            delta = 100 * (r["mean"] - plain)
+            out.append(
+                f"| {_name(model) if i == 0 else ''} | "
+                f"{LABELS.get(config, config)} | {100 * r['mean']:.2f} ± {100 * r['std']:.2f} "
+                f"[{100 * r['min']:.2f}, {100 * r['max']:.2f}] | {delta:+.2f} | "
+                f"{r['ratio_mean']:.1f}x |"
+            )
+    out.append("")
+    out += [
+        f"{_name(model)}: `python recipes/train.py {' '.join(info['overrides'])}"
+        f" compression=<configuration> seed=<seed>`"
+        for model, info in accuracy["models"].items()
+    ]
+    return out
+
+
+def batch_table(batch: dict[str, Any] | None) -> list[str]:
+    if batch is None:
+        return ["(batch: not run)"]
+    configs = sorted(
+        {c for m in batch["models"].values() for c in m["configs"]}, key=list(LABELS).index
+    )
+    out = [
+        "| model | budget (MB) | plain | " + " | ".join(LABELS[c] for c in configs) + " |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in configs) + " |",
+    ]
+    for info in batch["models"].values():
+        plain = next(iter(info["configs"].values()))["batch_size_uncompressed"]
+        cells = []
+        for config in configs:
+            r = info["configs"].get(config)
+            cap = " (data cap)" if r and r["capped_by_data"] else ""
+            cells.append(f"{r['batch_size']} ({r['gain']:g}x){cap}" if r else "–")
+        out.append(
+            f"| {info['description']} | {info['budget_mb']:.1f} | {plain} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return out
+
+
+def tradeoff_table(tradeoff: dict[str, Any] | None) -> list[str]:
+    if tradeoff is None:
+        return ["(tradeoff: not run)"]
+    out = [
+        "| allowed error e | measured error: median (max) | within e | ratio |",
+        "| --- | --- | --- | --- |",
+    ]
+    for r in tradeoff["tradeoff"]:
+        out.append(
+            f"| {r['gradient_error']:g} | {r['grad_error']:.4f} ({r['grad_error_max']:.4f}) | "
+            f"{100 * r['within']:.0f}% of {r['steps']} steps | {r['ratio']:.2f}x |"
+        )
+    return out
+
+
+def best_policy(configs: dict[str, dict[str, Any]]) -> str | None:
+    """The policy with the highest ratio among those whose measured gradient error is at
+    most ``BEST_ERROR`` (all policies if none is)."""
+    policies = {c: r for c, r in configs.items() if c not in ("plain", "checkpoint")}
+    within = {c: r for c, r in policies.items() if r.get("grad_error", 1.0) <= BEST_ERROR}
+    pool = within or policies
+    return max(pool, key=lambda c: pool[c]["ratio"]) if pool else None
+
+
+def family_table(runs: dict[str, tuple[dict[str, Any], dict[str, Any] | None]]) -> list[str]:
+    """Per mode and model: the best policy's ratio, error, step time against plain and
+    against checkpointing, and the step peak against the prediction."""
+    out = [
+        f"| mode | model | best policy (error ≤ {BEST_ERROR:g}) | ratio | gradient error | "
+        "step time vs plain | vs checkpoint (its ratio, time) | step peak vs predicted |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for mode, (memory, speed) in runs.items():
+        for model, info in memory["models"].items():
+            mem = info["configs"]
+            best = best_policy(mem)
+            if best is None:
+                continue
+            spd = (speed or {}).get("models", {}).get(model, {}).get("configs", {})
+            r, ck = mem[best], mem.get("checkpoint", {})
+            t, ck_t = spd.get(best, {}).get("vs_plain"), spd.get("checkpoint", {}).get("vs_plain")
+            vs_ck = f"{_fmt(ck.get('ratio'), '.1f', 'x')}, {_fmt(ck_t, '.2f', 'x')}" if ck else "–"
+            gap = r.get("peak_vs_predicted")
+            out.append(
+                f"| {mode} | {info['description']} | {LABELS.get(best, best)} | "
+                f"{r['ratio']:.1f}x | {_fmt(r.get('grad_error'), '.3f')} | "
+                f"{_fmt(t, '.2f', 'x')} | {vs_ck} | {_fmt(gap, '.2f', 'x')} |"
+            )
+    return out
+
+
+def peak_notes(memory: dict[str, Any] | None) -> list[str]:
+    """Where a step's measured peak is more than ``PEAK_GAP`` off the prediction."""
+    out = []
+    for info in (memory or {}).get("models", {}).values():
+        off = {
+            c: r["peak_vs_predicted"]
+            for c, r in info["configs"].items()
+            if r.get("peak_vs_predicted") and abs(r["peak_vs_predicted"] - 1) > PEAK_GAP
+        }
+        if off:
+            worst = max(off, key=lambda c: abs(off[c] - 1))
+            out.append(
+                f"{info['description']}: the step peak of {', '.join(off)} is more than "
+                f"{100 * PEAK_GAP:.0f}% off what the activation ratio predicts (worst: "
+                f"{LABELS.get(worst, worst)}, {off[worst]:.2f}x the prediction). The step peak "
+                "also holds the gradients, the codecs' transient buffers during encode and "
+                "decode, and what the allocator keeps; a small plain peak magnifies them."
+            )
+    return out
+
+
+# ----------------------------------------------------------------------------- bars
+def bars(results: dict[str, dict[str, Any]]) -> tuple[list[str], list[str]]:
+    """The project's bars, checked against the numbers: (met, not met) lines."""
+    met: list[str] = []
+    short: list[str] = []
+    memory, speed = results.get("memory"), results.get("speed")
+    accuracy, tradeoff = results.get("accuracy"), results.get("tradeoff")
+
+    def verdict(ok: bool, text: str) -> None:
+        (met if ok else short).append(text)
+
+    resnet = family_model(memory, "resnet") if memory else None
+    if memory and resnet:
+        r = memory["models"][resnet]["configs"].get(BAR_POLICY)
+        if r:
+            verdict(
+                r["ratio"] >= RATIO_BAR,
+                f"activation ratio on the ResNet recipe ({BAR_POLICY}): {r['ratio']:.1f}x "
+                f"(bar ≥ {RATIO_BAR:g}x)",
+            )
+    if accuracy:
+        for model, info in accuracy["models"].items():
+            plain, r = info["configs"]["plain"], info["configs"].get(BAR_POLICY)
+            if r is None:
+                continue
+            delta = 100 * (r["mean"] - plain["mean"])
+            verdict(
+                delta >= -ACCURACY_BAR_PP or plain["min"] <= r["mean"] <= plain["max"],
+                f"accuracy of {_name(model)} with {BAR_POLICY}: {delta:+.2f} pp "
+                f"vs plain (bar: ≥ −{ACCURACY_BAR_PP:g} pp, or within plain's seed range "
+                f"[{100 * plain['min']:.2f}, {100 * plain['max']:.2f}]%)",
+            )
+    if speed:
+        on_cpu = speed["machine"]["device"] == "cpu"
+        for model, info in speed["models"].items():
+            c = info["configs"]
+            if BAR_POLICY not in c:
+                continue
+            t = c[BAR_POLICY]["vs_plain"]
+            if on_cpu:
+                verdict(
+                    t <= TIME_BAR,
+                    f"step time of {_name(model)} with {BAR_POLICY}: "
+                    f"{t:.2f}x plain (bar ≤ {TIME_BAR:g}x on CPU)",
+                )
+            if "checkpoint" in c and BAR_POLICY in c and memory and model in memory["models"]:
+                mem = memory["models"][model]["configs"]
+                ck_time = c["checkpoint"]["vs_plain"]
+                ck_mem, own = mem["checkpoint"]["kept_mb"], mem[BAR_POLICY]["kept_mb"]
+                verdict(
+                    t < ck_time and own <= ck_mem,
+                    f"{_name(model)}, {BAR_POLICY} vs checkpointing: "
+                    f"{t:.2f}x vs {ck_time:.2f}x step time, {own:.2f} vs {ck_mem:.2f} MB kept "
+                    f"(bar: faster at equal or less memory)",
+                )
+    if tradeoff:
+        broken = [r for r in tradeoff["tradeoff"] if r["grad_error_max"] > r["gradient_error"]]
+        verdict(
+            not broken,
+            "acgc's promise, measured error ≤ e on every verified step: "
+            + (
+                "kept for every e"
+                if not broken
+                else "broken for e = " + ", ".join(f"{r['gradient_error']:g}" for r in broken)
+            ),
+        )
+    return met, short
+
+
+def notes(memory: dict[str, Any] | None) -> list[str]:
+    """Oddities in the numbers worth a line: the meter counting more saved bytes under
+    compression than plain training saves (one tensor packed more than once)."""
+    out = []
+    for model, info in (memory or {}).get("models", {}).items():
+        over = {
+            config: r
+            for config, r in info["configs"].items()
+            if r.get("meter_saved_bytes", 0) > 1.01 * r["saved_bytes"]
+        }
+        if not over:
+            continue
+        worst = max(over.values(), key=lambda r: r["meter_saved_bytes"])
+        factor = worst["meter_saved_bytes"] / worst["saved_bytes"]
+        out.append(
+            f"{_name(model)} ({', '.join(over)}): under compression the "
+            f"meter counts up to {worst['meter_saved_bytes'] / MB:.2f} MB saved against "
+            f"{worst['saved_mb']:.2f} MB in plain training (some tensor is packed more than "
+            f"once), so the logged `acgc/ratio` overstates the ratio against plain training "
+            f"by up to {factor:.2f}x; the table divides by the plain bytes"
+        )
+    return out

@@ -1,0 +1,82 @@
+"""README's results section is generated: it must equal what ``benchmarks/report.py``
+renders from the committed ``benchmarks/results/*.jsonl``, and every plot it links must
+be in ``docs/``. Nothing is written here: the report is rendered to a string."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from benchmarks.report import README_PATH, RESULTS, load_all, readme_section, render
+from benchmarks.run_all import store
+
+ROOT = RESULTS.parent.parent
+
+
+def test_readme_results_section_is_what_the_report_makes() -> None:
+    expected = render(RESULTS)
+    got = readme_section(README_PATH)
+    assert got == expected, (
+        "README.md's results section differs from the committed results: run "
+        "`python -m benchmarks.report` and commit README.md and docs/"
+    )
+
+
+def test_every_linked_plot_exists() -> None:
+    links = re.findall(r"\]\((docs/[\w.]+\.png)\)", readme_section(README_PATH))
+    assert links, "the results section links no plot"
+    for link in links:
+        assert (ROOT / link).is_file(), link
+
+
+def test_results_carry_mode_machine_and_commit() -> None:
+    everything = load_all(RESULTS)
+    assert "memory" in everything["quick"] or "memory" in everything["full"]
+    for mode, results in everything.items():
+        for name, result in results.items():
+            assert result["mode"] == mode, name
+            assert {"device", "cpu", "date", "torch"} <= set(result["machine"]), name
+    for name in ("memory", "speed"):
+        for result in (everything["quick"].get(name), everything["full"].get(name)):
+            if result is not None:
+                assert result.get("commit"), name
+
+
+def test_a_changed_result_changes_the_section(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    shutil.copytree(RESULTS, results)
+    memory = load_all(results)["quick"]["memory"]
+    model = next(iter(memory["models"].values()))
+    model["configs"]["plain"]["saved_mb"] += 1.0
+    store(memory, results)
+    assert render(results) != render(RESULTS)
+
+
+def test_full_results_are_shown_and_labelled_beside_quick_ones(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    shutil.copytree(RESULTS, results)
+    quick = load_all(results)["quick"]
+    for name in ("memory", "speed"):
+        full = json.loads(json.dumps(quick[name]))
+        full["mode"] = "full"
+        store(full, results)
+    text = render(results)
+    assert "*full mode*" in text
+    rows = [line for line in text.splitlines() if line.startswith(("| full |", "| quick |"))]
+    assert {row.split("|")[1].strip() for row in rows} == {"full", "quick"}
+    assert len(load_all(results)["quick"]) == len(quick)  # storing full kept the quick lines
+
+
+@pytest.mark.parametrize("mode", ["quick", "full"])
+def test_store_replaces_only_the_line_of_its_mode(tmp_path: Path, mode: str) -> None:
+    store({"benchmark": "speed", "mode": "quick", "n": 1}, tmp_path)
+    store({"benchmark": "speed", "mode": "full", "n": 2}, tmp_path)
+    store({"benchmark": "speed", "mode": mode, "n": 3}, tmp_path)
+    lines = [json.loads(s) for s in (tmp_path / "speed.jsonl").read_text().splitlines()]
+    assert sorted((r["mode"], r["n"]) for r in lines) == sorted(
+        [(mode, 3), ("full" if mode == "quick" else "quick", 2 if mode == "quick" else 1)]
+    )
