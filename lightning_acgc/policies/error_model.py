@@ -7,7 +7,10 @@ activations, attention) pass the error on into upstream gradients; for them we u
 ``‖δ‖²`` times the mean fan-in of the model's weight ops as the factor. The input of a
 normalization (BatchNorm, LayerNorm, GroupNorm) is re-normalized in backward, so an
 error there counts relative to the input's spread: its factor is also divided by the
-input's variance. The AC-GC policy corrects the total with the error it measures.
+input's variance; for an affine norm, the direct part in its own weight gradient is
+counted as that module's (the AC-GC policy holds each layer to e, and a norm's γ
+gradient is small but sees its own input's error fully). The AC-GC policy corrects the
+total with the error it measures.
 
 A tensor saved by several sites (a ReLU output that is also the next conv's input) is
 packed once, by the first site; its sensitivity is the sum over all its sites.
@@ -15,6 +18,7 @@ packed once, by the first site; its sensitivity is the sum over all its sites.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from lightning_acgc.engine.meter import SiteRecord
@@ -36,8 +40,13 @@ NORM_TYPES = frozenset(
     }
 )
 
-# Codec names that mean "not chosen by the policy" in a SiteRecord.
+# Codec names that mean "not chosen by the policy" in a SiteRecord (a tensor the policy
+# itself chose to keep, settings "policy", is the policy's and stays in the model).
 NOT_POLICY = ("kept", "mask")
+
+
+def _policy_packed(rec: SiteRecord) -> bool:
+    return rec.codec not in NOT_POLICY or (rec.codec == "kept" and rec.settings == "policy")
 
 
 @dataclass
@@ -60,6 +69,7 @@ def tensor_sensitivities(
     grad_sq: dict[str, float],
     fan_in: dict[str, int],
     inv_var: dict[str, float] | None = None,
+    norm_params: Collection[str] = (),
 ) -> dict[str, TensorSensitivity]:
     """Sensitivity of every policy-packed tensor of a step.
 
@@ -68,6 +78,10 @@ def tensor_sensitivities(
         grad_sq: squared output-gradient norm by module name (``GradientStats.stop``).
         fan_in: fan-in by module name for weight ops.
         inv_var: 1 / variance of the saved input, by site key, for normalization sites.
+        norm_params: normalization modules with an affine weight. Their saved input's error
+            (relative to its spread) also enters their own weight gradient directly
+            (dγ = Σ δ·x̂): that part, ``‖δ‖²/var``, is counted as theirs in
+            ``weight_by_module`` besides the part passed on through δ.
 
     Example:
         >>> from lightning_acgc.engine.meter import SiteRecord
@@ -79,7 +93,7 @@ def tensor_sensitivities(
     mean_fan_in = sum(fan_in.values()) / len(fan_in) if fan_in else 1.0
     out: dict[str, TensorSensitivity] = {}
     for rec in records.values():
-        if rec.codec in NOT_POLICY or rec.shared_with is not None:
+        if not _policy_packed(rec) or rec.shared_with is not None:
             continue
         numel = 1
         for d in rec.shape:
@@ -97,4 +111,8 @@ def tensor_sensitivities(
         else:
             scale = (inv_var or {}).get(rec.key, 1.0) if rec.module_type in NORM_TYPES else 1.0
             root.other += mean_fan_in * delta_sq * scale
+            if rec.module in norm_params and rec.module_type in NORM_TYPES:
+                c = delta_sq * scale
+                root.weight += c
+                root.weight_by_module[rec.module] = root.weight_by_module.get(rec.module, 0.0) + c
     return out
