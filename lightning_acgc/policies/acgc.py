@@ -34,11 +34,12 @@ Verify, don't trust: with ``verify=True`` the exact gradient is computed on cali
 steps; its statistics set the settings of the same step's compressed pass, so the logged
 ``grad_error`` = ‖ĝ − g‖/‖g‖ measures the settings in force. κ is the ratio of measured
 to modelled error. With ``quant`` it follows the readings both ways (the geometric mean
-of the last ``history``, so the measured error lands near √target · e, in [0.5e, e]; it
-falls at most 2x per reading, as the model's error differs between widths), and jumps at once to the latest reading when a measurement exceeds e. With ``bounded`` it
-tightens at once and loosens at most 2x per calibration (its eb²/3 is a loose upper
-bound). A measurement above e is logged as ``tightened`` = 1. With ``verify=False`` the
-compressed pass's statistics set the following steps' settings and κ keeps its value.
+of the last ``history``, aiming the measured error at √target · e ≈ 0.6e; it falls at
+most 2x per reading, as the model's error differs between widths) and jumps at once to
+the latest reading when a measurement exceeds e. With ``bounded`` it tightens at once
+and loosens at most 2x per calibration (its eb²/3 is a loose upper bound). A measurement
+above e is logged as ``tightened`` = 1. With ``verify=False`` the compressed pass's
+statistics set the following steps' settings and κ keeps its value.
 
 Noise-relative budget (``noise_ratio`` ρ): compression may add at most ρ² of the batch
 gradient's sampling variance. On calibration steps the adapter computes the exact
