@@ -57,6 +57,7 @@ def compressed_step(
     compute_loss: Callable[[], torch.Tensor],
     step: int,
     reduce: Callable[[torch.Tensor], torch.Tensor] = _no_reduce,
+    loss_halves: tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """Forward and backward of one step under compression; the optimizer step is yours.
 
@@ -66,6 +67,8 @@ def compressed_step(
         compute_loss: runs the forward and returns the loss.
         step: global step (drives the policy's calibration schedule and seeds).
         reduce: averages a tensor over data-parallel ranks.
+        loss_halves: the loss on each half of the batch, for a policy with a noise-relative
+            budget (``needs_noise_estimate``); their exact gradients are passed on.
 
     Example:
         >>> from lightning_acgc.policies import build_policy
@@ -82,6 +85,8 @@ def compressed_step(
     policy: Any = engine.policy
     engine.new_step(step)
     policy.begin_step(step)
+    if loss_halves is not None and getattr(policy, "needs_noise_estimate", lambda _: False)(step):
+        policy.set_noise_gradients(*(exact_gradients(engine, model, f) for f in loss_halves))
     if policy.needs_exact_gradient(step):
         policy.set_exact_gradients(exact_gradients(engine, model, compute_loss))
     with engine.scope():

@@ -132,7 +132,7 @@ class ACGCPolicy(CalibratingPolicy):
     layer_share = 0.5  # part of each layer's E‖g_W‖² that its weight op's input may use
     max_loosening = 2.0  # largest decrease of κ per reading
     max_tightening = 16.0  # largest increase of λ or μ_m per reading
-    min_correction = 1 / 64  # quant: smallest λ or μ_m (a layer the model overrates)
+    min_correction = 1 / 64  # quant: smallest μ_m (a layer the model overrates)
     layer_floor = 1e-12  # modules with ‖g_m‖² below this share of ‖g‖² are not held to e
     max_error = 0.9  # the largest relative error a noise-relative budget allows
 
@@ -428,18 +428,19 @@ class ACGCPolicy(CalibratingPolicy):
         # worst module leaves room for.
         over = [through_delta[m] for m, r in needs.items() if r > 1]
         lam_need = max(over) if over else max(needs.values())
-        self._add_reading(self._layer_readings, lam_need)
+        self._add_reading(self._layer_readings, lam_need, 1.0)
+        floor = 1.0 if self.codec == "bounded" else self.min_correction
         for module in self._own_ops:
             readings = self._own_readings.setdefault(module, deque(maxlen=self.history))
-            self._add_reading(readings, needs.get(module, 0.0))
+            self._add_reading(readings, needs.get(module, 0.0), floor)
 
-    def _add_reading(self, readings: deque[float], need: float) -> None:
+    def _add_reading(self, readings: deque[float], need: float, floor: float) -> None:
         """One reading of a per-layer correction (the largest of its ``readings``): the
         value times ``need`` would have put the layer on budget; kept within
-        [1, value · max_tightening] (``quant``: from ``min_correction``, so a layer the
-        model overrates loosens too; its exact error model leaves less to guard)."""
+        [floor, value · max_tightening]. λ's floor is 1 (κ scales the whole model both
+        ways); with ``quant`` μ_m's is ``min_correction``, so a layer the model overrates
+        (its own input's error is modelled exactly, up to δ's correlations) loosens too."""
         value = max(readings, default=1.0)
-        floor = 1.0 if self.codec == "bounded" else self.min_correction
         readings.append(min(max(value * need, floor), value * self.max_tightening))
 
     def _calibrate(self, grad_sq: dict[str, float], g_sq: float, layer: dict[str, float]) -> None:
@@ -455,7 +456,10 @@ class ACGCPolicy(CalibratingPolicy):
         self._allocate()
         variance = {k: self._variance(k) for k in sens}
         in_force = {k: s for k, s in sens.items() if variance[k] > 0}
-        self._predicted = sum(s.total * variance[k] for k, s in in_force.items())
+        # as the allocation counts it: the other ops' factors weighted by λ
+        self._predicted = sum(
+            (s.weight + self.lam * s.other) * variance[k] for k, s in in_force.items()
+        )
         own: dict[str, float] = {}  # per weight op: the modelled error from its own input
         for k, s in in_force.items():
             for m, c in s.weight_by_module.items():
