@@ -456,10 +456,8 @@ class ACGCPolicy(CalibratingPolicy):
         self._allocate()
         variance = {k: self._variance(k) for k in sens}
         in_force = {k: s for k, s in sens.items() if variance[k] > 0}
-        # as the allocation counts it: the other ops' factors weighted by λ
-        self._predicted = sum(
-            (s.weight + self.lam * s.other) * variance[k] for k, s in in_force.items()
-        )
+        # the model's own total (λ and μ_m only shift the allocation; κ scales the model)
+        self._predicted = sum(s.total * variance[k] for k, s in in_force.items())
         own: dict[str, float] = {}  # per weight op: the modelled error from its own input
         for k, s in in_force.items():
             for m, c in s.weight_by_module.items():

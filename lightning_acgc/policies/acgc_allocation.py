@@ -119,7 +119,14 @@ def quant_widths(
         if factor <= 0:
             width = SAFE_WIDTH
         else:
-            width = next((b for b in LADDER if all(c * v[b] <= bud for c, bud in own)), KEEP)
+            width = next(
+                (
+                    b
+                    for b in LADDER
+                    if math.isfinite(v[b]) and all(c * v[b] <= bud for c, bud in own)
+                ),
+                KEEP,
+            )
         sizes.append(n)
         errors.append({b: factor * v[b] for b in LADDER})
         mins.append(width)

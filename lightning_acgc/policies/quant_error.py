@@ -7,6 +7,7 @@ and the positives span ``2^b − 2`` steps from the smallest positive value. Sum
 exact expression over the values is cheaper than reasoning about the distribution: the
 classic ``R²/(6·(2^b − 1)²)`` (f uniform) overstates the error of ReLU outputs, which
 sit mostly near the bottom of their group's range, and of groups that are mostly zeros.
+A tensor with such groups is infinitely wrong at 1 bit (its ReLU mask is not kept).
 
 :func:`sr_variance` returns the mean per-element variance at each width of
 :data:`~lightning_acgc.policies.bit_allocation.LADDER`, measured on (a regular sample of)
@@ -30,7 +31,7 @@ def sr_variance(x: torch.Tensor, group_size: int, max_groups: int = 2048) -> tor
     Non-finite values (kept exactly by the codec) count as zeros.
 
     Example:
-        >>> x = torch.rand(4096)
+        >>> x = torch.rand(4096) + 0.1
         >>> v = sr_variance(x, 256)
         >>> bool((v[:-1] > v[1:]).all())  # more bits, less error
         True
@@ -58,5 +59,10 @@ def sr_variance(x: torch.Tensor, group_size: int, max_groups: int = 2048) -> tor
         f = t - t.floor()
         var = f * (1 - f) * step[:, None].square()
         var = torch.where(kept[:, None] & is_zero, torch.zeros_like(var), var)
+        if bits == 1 and bool(zero_kept.any()):
+            # 1-bit groups keep no zeros: a positive value may decode to 0 and flip a
+            # ReLU's mask, an error in δ the variance does not describe: never chosen.
+            out.append(torch.tensor(torch.inf, dtype=torch.float64, device=x.device))
+            continue
         out.append(var.double().mean())
     return torch.stack(out)
