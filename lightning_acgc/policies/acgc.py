@@ -19,16 +19,7 @@ error stays within E = target · e² · ‖g‖² / κ:
 * ``codec="bounded"``: COMET-style |x − x̂| ≤ eb (variance ≤ eb²/3), each tensor's share
   of E in proportion to its size (the previous default; its calibration is unchanged).
 
-The bound is held per layer too: a global ‖ĝ − g‖ ≤ e‖g‖ alone lets a layer whose
-gradient is small (attention's query and key at initialization) take a 100% error
-unnoticed, and with Adam, which rescales every coordinate, it then never learns. A
-weight op's own saved input gets at most ``layer_share`` of E·‖g_W‖², divided by a
-per-layer correction μ_m; errors that reach a layer through δ (from the other ops'
-saved tensors) are weighted by a correction λ. On every verified calibration each
-module's own gradient error is measured against target · e²‖g_m‖²; a module over it by
-r tightens μ_m and λ by r (each the largest of its last ``history`` readings, rising at
-most 16x per reading). Modules whose gradient is below ``layer_floor`` of ‖g‖² are not
-held to e. The worst module's error is logged as ``layer_grad_error``, λ as ``lambda``.
+The error is held per layer too (:mod:`lightning_acgc.policies.acgc_corrections`).
 
 Verify, don't trust: with ``verify=True`` the exact gradient is computed on calibration
 steps; its statistics set the settings of the same step's compressed pass, so the logged
@@ -41,13 +32,7 @@ and loosens at most 2x per calibration (its eb²/3 is a loose upper bound). A me
 above e is logged as ``tightened`` = 1. With ``verify=False`` the compressed pass's
 statistics set the following steps' settings and κ keeps its value.
 
-Noise-relative budget (``noise_ratio`` ρ): compression may add at most ρ² of the batch
-gradient's sampling variance. On calibration steps the adapter computes the exact
-gradients g1, g2 of the batch's two halves (:meth:`ACGCPolicy.set_noise_gradients`,
-before :meth:`set_exact_gradients`); Var(g) ≈ ‖g1 − g2‖²/4, so the allowed relative
-error is e_noise = ρ·‖g1 − g2‖/(2‖g‖) (both averaged over the last ``history``
-readings). With ``gradient_error`` also given, the smaller of the two holds; with
-``noise_ratio`` alone, e_noise (at most ``max_error``). Logged as ``error_target``.
+Noise-relative budget (``noise_ratio`` ρ): see :mod:`lightning_acgc.policies.acgc_noise`.
 
 Cost (``calib_ms``): the extra passes (exact, halves) and the policy's own statistics on a
 calibration step, host time; ``calib_share``: that over ``calibrate_every`` ordinary
@@ -66,18 +51,20 @@ import torch
 from torch import nn
 
 from lightning_acgc.codecs.base import Codec
-from lightning_acgc.codecs.registry import codec_config_class
 from lightning_acgc.config import CompressionConfig
 from lightning_acgc.engine.meter import SiteRecord
 from lightning_acgc.engine.sites import SiteInfo
-from lightning_acgc.policies._acgc_stats import diff_sq, module_norms, per_module_sq, reduce_tables
+from lightning_acgc.policies._acgc_stats import module_norms, per_module_sq, reduce_tables
 from lightning_acgc.policies._schedule import check_int
 from lightning_acgc.policies.acgc_allocation import (
     UNCONSTRAINED,
     average,
     bounded_bounds,
+    quant_meta_options,
     quant_widths,
 )
+from lightning_acgc.policies.acgc_corrections import ModelCorrections
+from lightning_acgc.policies.acgc_noise import NoiseBudget
 from lightning_acgc.policies.base import Reduce
 from lightning_acgc.policies.bit_allocation import KEEP, LADDER
 from lightning_acgc.policies.calibrating import CalibratingPolicy
@@ -89,14 +76,7 @@ __all__ = ["ACGCPolicy"]
 CODECS = ("quant", "bounded")
 
 
-def _quant_meta_options() -> dict[str, Any]:
-    """bf16 group metadata (32 bits a group instead of 64) where this version's ``quant``
-    codec offers it; read from its config at runtime so acgc works with either."""
-    fields = {f.name for f in dataclasses.fields(codec_config_class("quant"))}
-    return {"meta": "bf16"} if "meta" in fields else {}
-
-
-class ACGCPolicy(CalibratingPolicy):
+class ACGCPolicy(NoiseBudget, ModelCorrections, CalibratingPolicy):
     """Compression settings per saved tensor derived from an allowed gradient error.
 
     Args:
@@ -129,11 +109,6 @@ class ACGCPolicy(CalibratingPolicy):
     name = "acgc"
     default_codec = "quant"
     initial_width = 8  # quant: width before the first calibration and for unseen sites
-    layer_share = 0.5  # part of each layer's E‖g_W‖² that its weight op's input may use
-    max_loosening = 2.0  # largest decrease of κ per reading
-    max_tightening = 16.0  # largest increase of λ or μ_m per reading
-    min_correction = 1 / 64  # quant: smallest μ_m (a layer the model overrates)
-    layer_floor = 1e-12  # modules with ‖g_m‖² below this share of ‖g‖² are not held to e
     max_error = 0.9  # the largest relative error a noise-relative budget allows
 
     def __init__(
@@ -189,7 +164,7 @@ class ACGCPolicy(CalibratingPolicy):
             self.layer_floor = float(layer_floor)
         self.config = config or CompressionConfig(codec=codec)
         super().__init__()
-        self._meta = _quant_meta_options() if codec == "quant" else {}
+        self._meta = quant_meta_options() if codec == "quant" else {}
         self.bounds: dict[str, float] = {}
         self.site_bits: dict[str, int] = {}
         self.kappa = 0.5 if codec == "quant" else 4.0
@@ -248,29 +223,6 @@ class ACGCPolicy(CalibratingPolicy):
     def needs_exact_gradient(self, step: int) -> bool:
         return self.verify and self.is_calibration_step(step)
 
-    def needs_noise_estimate(self, step: int) -> bool:
-        """Whether the adapter should pass the gradients of the batch's two halves."""
-        return self.noise_ratio is not None and self.is_calibration_step(step)
-
-    def _lap(self) -> float:
-        """Seconds since the last calibration event (an extra pass just ran)."""
-        now = time.perf_counter()
-        elapsed, self._mark = now - self._mark, now
-        return elapsed
-
-    def set_noise_gradients(
-        self,
-        first: dict[str, torch.Tensor],
-        second: dict[str, torch.Tensor],
-        reduce: Reduce | None = None,
-    ) -> None:
-        """The exact gradients (by parameter name) of the two halves of this step's batch,
-        each the loss's mean over its half; call before :meth:`set_exact_gradients`."""
-        self._calib_s += self._lap()
-        (table,) = reduce_tables(reduce, {"": diff_sq(first, second)})
-        self._pending_noise = table[""]
-        self._calib_s += self._lap()
-
     def set_exact_gradients(
         self, grads: dict[str, torch.Tensor], reduce: Reduce | None = None
     ) -> None:
@@ -320,31 +272,6 @@ class ACGCPolicy(CalibratingPolicy):
         self._calib_s += self._lap()
         self._log()
 
-    def _log(self) -> None:
-        m = self._metrics
-        m["calib_ms"] = 1e3 * self._calib_s
-        if self._step_s:
-            m["calib_share"] = self._calib_s / (self.calibrate_every * self._step_s)
-        m["kappa"], m["lambda"] = self.kappa, self.lam
-        m["error_target"] = self.error_target
-        if self.codec == "quant" and self._structure:
-            widths = [(self._structure[k], b) for k, b in self.site_bits.items()]
-            sized = [(math.prod(r.shape), 32 if b == KEEP else b) for r, b in widths if r.shape]
-            if sized:
-                m["avg_bits"] = sum(n * b for n, b in sized) / sum(n for n, _ in sized)
-        finite = [math.log10(b) for b in self.bounds.values() if b < UNCONSTRAINED]
-        if finite:
-            m["log10_bound"] = sum(finite) / len(finite)
-
-    @property
-    def lam(self) -> float:
-        """λ: the extra weight of the other ops' errors, from per-layer readings."""
-        return max(self._layer_readings, default=1.0)
-
-    def _own_scale(self, module: str) -> float:
-        """μ_m: the extra tightening of weight op ``module``'s own input."""
-        return max(self._own_readings.get(module, ()), default=1.0)
-
     def _weight_ops(self, module_sq: dict[str, float]) -> dict[str, float]:
         """‖g_W‖² per weight op (its weight and bias) from the per-module table."""
         return {m: module_sq.get(m, 0.0) for m in self._own_ops}
@@ -361,87 +288,6 @@ class ACGCPolicy(CalibratingPolicy):
             for n, m in model.named_modules()
             if type(m).__name__ in NORM_TYPES and getattr(m, "weight", None) is not None
         ]
-
-    def _update_target(self, g_sq: float) -> None:
-        """This calibration's allowed error e: ``gradient_error`` and/or the noise budget."""
-        self._grad_sq.append(g_sq)
-        if self.noise_ratio is None:
-            return
-        if self._pending_noise is not None:
-            self._noise_sq.append(self._pending_noise)
-            self._pending_noise = None
-        if not self._noise_sq:
-            return
-        mean_g = sum(self._grad_sq) / len(self._grad_sq)
-        noise = sum(self._noise_sq) / len(self._noise_sq)
-        e_noise = self.noise_ratio * math.sqrt(noise / 4 / mean_g) if mean_g > 0 else 0.0
-        self._metrics["noise_error"] = e_noise
-        self.error_target = min(e_noise, self.gradient_error or self.max_error, self.max_error)
-
-    def _measure(self, g_sq: float, err_sq: float) -> None:
-        """Log the measured error; compare it with the model's prediction for the settings."""
-        ratio = math.sqrt(err_sq / g_sq)
-        e = self.error_target
-        self._metrics["grad_error"] = ratio
-        self._metrics["tightened"] = float(ratio > e)
-        if self._predicted is None or self._predicted <= 0:
-            return
-        reading = max(err_sq / self._predicted, 1e-3)
-        self._readings.append(reading)
-        if self.codec == "quant":
-            # Both ways: the geometric mean of the last readings; at once to the latest
-            # reading when the promise was broken.
-            mean = math.exp(sum(map(math.log, self._readings)) / len(self._readings))
-            mean = max(mean, self.kappa / self.max_loosening)
-            self.kappa = max(mean, reading) if ratio > e else mean
-        else:
-            # Tighten at once; loosen at most 2x in variance per calibration: eb²/3 is a
-            # loose upper bound, least reliable far from where it was last checked.
-            self.kappa = max(max(self._readings), self.kappa / self.max_loosening)
-
-    def _measure_layers(
-        self, module_g: dict[str, float], module_err: dict[str, float], g_sq: float
-    ) -> None:
-        """Per-layer check. A module over its budget target · e²‖g_m‖² by a factor r
-        tightens, by r, both possible sources: its own input (μ_m, weight ops) and the
-        other ops (λ, for the worst module). Each correction is the largest of its last
-        ``history`` readings, so it falls back at once where a tightening was not needed,
-        and rises at most ``max_tightening`` per reading, so a source that was not the
-        cause does not ratchet up."""
-        budget = self.target * self.error_target**2
-        worst = 0.0
-        needs: dict[str, float] = {}  # measured error / budget, per module
-        through_delta: dict[str, float] = {}  # the part of that not from its own input
-        for module, g in module_g.items():
-            if g <= self.layer_floor * g_sq:
-                continue
-            err = module_err.get(module, 0.0)
-            worst = max(worst, err / g)
-            needs[module] = err / (budget * g)
-            own = self._predicted_own.get(module, 0.0)
-            through_delta[module] = max(err - own, 0.0) / ((1 - self.layer_share) * budget * g)
-        self._metrics["layer_grad_error"] = math.sqrt(worst)
-        if self._predicted is None or not needs:
-            return  # the settings in force were not allocated this step (first step)
-        # Modules over budget set λ by their δ part (an over-budget module whose own input
-        # explains its error lets λ fall); with all within budget λ may fall to what the
-        # worst module leaves room for.
-        over = [through_delta[m] for m, r in needs.items() if r > 1]
-        lam_need = max(over) if over else max(needs.values())
-        self._add_reading(self._layer_readings, lam_need, 1.0)
-        floor = 1.0 if self.codec == "bounded" else self.min_correction
-        for module in self._own_ops:
-            readings = self._own_readings.setdefault(module, deque(maxlen=self.history))
-            self._add_reading(readings, needs.get(module, 0.0), floor)
-
-    def _add_reading(self, readings: deque[float], need: float, floor: float) -> None:
-        """One reading of a per-layer correction (the largest of its ``readings``): the
-        value times ``need`` would have put the layer on budget; kept within
-        [floor, value · max_tightening]. λ's floor is 1 (κ scales the whole model both
-        ways); with ``quant`` μ_m's is ``min_correction``, so a layer the model overrates
-        (its own input's error is modelled exactly, up to δ's correlations) loosens too."""
-        value = max(readings, default=1.0)
-        readings.append(min(max(value * need, floor), value * self.max_tightening))
 
     def _calibrate(self, grad_sq: dict[str, float], g_sq: float, layer: dict[str, float]) -> None:
         sens = tensor_sensitivities(

@@ -12,18 +12,35 @@ Both allocations hold the same two promises (see :mod:`lightning_acgc.policies.a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable
+from typing import Any
 
+from lightning_acgc.codecs.registry import codec_config_class
 from lightning_acgc.policies._schedule import round_bound_down
 from lightning_acgc.policies.bit_allocation import KEEP, LADDER, allocate_to_error
 
-__all__ = ["UNCONSTRAINED", "Sensitivity", "average", "bounded_bounds", "quant_widths"]
+__all__ = [
+    "UNCONSTRAINED",
+    "Sensitivity",
+    "average",
+    "bounded_bounds",
+    "quant_meta_options",
+    "quant_widths",
+]
 
 UNCONSTRAINED = 1e30  # bound for a tensor no gradient depends on
 SAFE_WIDTH = 8  # width of a tensor no gradient depends on (see quant_widths)
 
 Sensitivity = tuple[int, dict[str, float], float]
+
+
+def quant_meta_options() -> dict[str, Any]:
+    """bf16 group metadata (32 bits a group instead of 64) where this version's ``quant``
+    codec offers it; read from its config at runtime so acgc works with either."""
+    fields = {f.name for f in dataclasses.fields(codec_config_class("quant"))}
+    return {"meta": "bf16"} if "meta" in fields else {}
 
 
 def average(history: dict[str, Iterable[Sensitivity]]) -> dict[str, Sensitivity]:
