@@ -10,7 +10,10 @@ acgc's calibration-step errors (its promise), κ, and the calibration's cost.
 
 Prints one JSON line.
 
-    python -m benchmarks.acgc_vs_fixed --quick [--models resnet bert gnn]
+    python -m benchmarks.acgc_vs_fixed --quick [--models resnet bert gnn] [--plot PNG]
+
+``--plot`` draws the trade-off (ratio vs measured gradient error, one curve per policy,
+one panel per model), e.g. ``docs/acgc_vs_fixed.png``.
 """
 
 from __future__ import annotations
@@ -93,6 +96,38 @@ def compare_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return {"description": recipe.description, "plain_bytes": plain, "results": rows}
 
 
+def plot(result: dict[str, Any], path: str) -> None:
+    """Ratio vs measured gradient error: fixed quant (2, 4 bits), gact, acgc."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = result["models"]
+    fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.6), squeeze=False)
+    for ax, (name, model) in zip(axes[0], models.items(), strict=True):
+        rows = model["results"]
+        curves = {
+            "fixed quant (2, 4 bits)": [rows[c]["baseline"] for c in ("quant4", "quant2")],
+            "gact (default)": [rows["gact"]["baseline"]],
+            "acgc": sorted(
+                [rows[c]["acgc_at_its_error"] for c in BASELINES] + [rows["acgc_default"]],
+                key=lambda r: r["grad_error"],
+            ),
+        }
+        for label, points in curves.items():
+            xs = [p["grad_error"] for p in points]
+            ax.plot(xs, [p["ratio"] for p in points], marker="o", label=label)
+        ax.set_xscale("log")
+        ax.set_xlabel("measured gradient error ‖ĝ − g‖/‖g‖")
+        ax.set_ylabel("compression ratio")
+        ax.set_title(f"{name} ({result['mode']})")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -100,6 +135,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     add_common_arguments(parser)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--codec", default=None, help="acgc's codec (default: its own)")
+    parser.add_argument("--plot", default=None, help="write the trade-off plot here (PNG)")
     args = parser.parse_args(argv)
     setup_threads(args)
     args.acgc_options = {"codec": args.codec} if args.codec else {}
@@ -111,6 +147,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "models": {name: compare_model(name, args) for name in args.models},
     }
     emit(result)
+    if args.plot:
+        plot(result, args.plot)
     return result
 
 

@@ -68,7 +68,7 @@ from lightning_acgc.policies.acgc_noise import NoiseBudget
 from lightning_acgc.policies.base import Reduce
 from lightning_acgc.policies.bit_allocation import KEEP, LADDER
 from lightning_acgc.policies.calibrating import CalibratingPolicy
-from lightning_acgc.policies.error_model import NORM_TYPES, tensor_sensitivities
+from lightning_acgc.policies.error_model import NORM_TYPES, norm_inv_var, tensor_sensitivities
 from lightning_acgc.policies.quant_error import sr_variance
 
 __all__ = ["ACGCPolicy"]
@@ -196,9 +196,9 @@ class ACGCPolicy(NoiseBudget, ModelCorrections, CalibratingPolicy):
         if self._calibrating:
             start = time.perf_counter()
             if site.module_type in NORM_TYPES:
-                var = float(x.detach().float().var())
-                if var > 0 and math.isfinite(var):
-                    self._inv_var[site.key] = 1.0 / var
+                inv_var = norm_inv_var(x, site.module_type)
+                if inv_var is not None and math.isfinite(inv_var):
+                    self._inv_var[site.key] = inv_var
             if self.codec == "quant":
                 self._pending_var[site.key] = sr_variance(x, self.group_size)
                 self._raw_bits[site.key] = 8 * x.element_size()

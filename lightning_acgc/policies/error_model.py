@@ -21,9 +21,11 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+import torch
+
 from lightning_acgc.engine.meter import SiteRecord
 
-__all__ = ["NORM_TYPES", "TensorSensitivity", "tensor_sensitivities"]
+__all__ = ["NORM_TYPES", "TensorSensitivity", "norm_inv_var", "tensor_sensitivities"]
 
 NORM_TYPES = frozenset(
     {
@@ -73,21 +75,23 @@ def tensor_sensitivities(
 ) -> dict[str, TensorSensitivity]:
     """Sensitivity of every policy-packed tensor of a step.
 
-    Args:
-        records: the step's site records (``engine.stats.sites``).
-        grad_sq: squared output-gradient norm by module name (``GradientStats.stop``).
-        fan_in: fan-in by module name for weight ops.
-        inv_var: 1 / variance of the saved input, by site key, for normalization sites.
-        norm_params: normalization modules with an affine weight. Their saved input's error
-            (relative to its spread) also enters their own weight gradient directly
-            (dγ = Σ δ·x̂): that part, ``‖δ‖²/var``, is counted as theirs in
-            ``weight_by_module`` besides the part passed on through δ.
+        Args:
+            records: the step's site records (``engine.stats.sites``).
+            grad_sq: squared output-gradient norm by module name (``GradientStats.stop``).
+            fan_in: fan-in by module name for weight ops.
+            inv_var: 1 / variance of the saved input, by site key, for normalization sites.
+            norm_params: normalization modules with an affine weight. Their saved input's error
+                (relative to its spread) also enters their own weight gradient directly
+                (dγ = Σ δ·x̂): that part, ``‖δ‖²/var``, is counted as theirs in
+                ``weight_by_module`` besides the part passed on through δ.
 
-    Example:
-        >>> from lightning_acgc.engine.meter import SiteRecord
-        >>> rec = SiteRecord("fc:0", "fc", "Linear", (8, 4), "float32", "bounded", "")
-        >>> tensor_sensitivities({"fc:0": rec}, {"fc": 2.0}, {"fc": 4})["fc:0"].weight
-        8.0
+        Example:
+            >>> import torch
+
+    from lightning_acgc.engine.meter import SiteRecord
+            >>> rec = SiteRecord("fc:0", "fc", "Linear", (8, 4), "float32", "bounded", "")
+            >>> tensor_sensitivities({"fc:0": rec}, {"fc": 2.0}, {"fc": 4})["fc:0"].weight
+            8.0
     """
     fallback = max(grad_sq.values(), default=0.0)
     mean_fan_in = sum(fan_in.values()) / len(fan_in) if fan_in else 1.0
@@ -116,3 +120,24 @@ def tensor_sensitivities(
                 root.weight += c
                 root.weight_by_module[rec.module] = root.weight_by_module.get(rec.module, 0.0) + c
     return out
+
+
+def norm_inv_var(x: torch.Tensor, module_type: str) -> float | None:
+    """Mean of 1/variance over the groups a normalization normalizes (channels for
+    BatchNorm, rows of the last dimension for LayerNorm/RMSNorm, the whole tensor
+    otherwise): the factor by which its input's error enters x̂. ``None`` if undefined.
+
+    Example:
+        >>> x = torch.cat([torch.randn(64, 1, 8) * 10, torch.randn(64, 1, 8)], dim=1)
+        >>> round(norm_inv_var(x, "BatchNorm1d"), 1) > 1 / x.var().item()
+        True
+    """
+    x = x.detach().float()
+    if module_type.startswith(("BatchNorm", "SyncBatchNorm")) and x.dim() >= 2:
+        var = x.transpose(0, 1).reshape(x.shape[1], -1).var(dim=1)
+    elif module_type in ("LayerNorm", "RMSNorm") and x.dim() >= 1 and x.shape[-1] > 1:
+        var = x.reshape(-1, x.shape[-1]).var(dim=1)
+    else:
+        var = x.reshape(1, -1).var(dim=1)
+    var = var[torch.isfinite(var) & (var > 0)]
+    return float((1.0 / var).mean()) if var.numel() else None
