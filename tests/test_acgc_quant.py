@@ -96,6 +96,7 @@ def _digits(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(128, 64, generator=g), torch.randint(0, 10, (128,), generator=g)
 
 
+@pytest.mark.slow
 def test_calibration_keeps_the_promise_and_uses_the_budget() -> None:
     """``gradient_error`` keeps its meaning on calibration steps; κ settles (both ways),
     and at a loose e the quant allocation compresses far more than at a tight one."""

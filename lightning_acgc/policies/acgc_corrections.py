@@ -36,7 +36,7 @@ class ModelCorrections:
     layer_share = 0.5  # part of each layer's E‖g_W‖² that its weight op's input may use
     max_loosening = 2.0  # largest decrease of κ per reading
     max_tightening = 16.0  # largest increase of λ or μ_m per reading
-    min_correction = 1 / 64  # quant: smallest μ_m (a layer the model overrates)
+    min_correction = 1.0  # quant: smallest μ_m (below 1 loosened layers past e: see report)
     layer_floor = 1e-12  # modules with ‖g_m‖² below this share of ‖g‖² are not held to e
 
     @property
