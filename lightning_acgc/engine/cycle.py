@@ -155,6 +155,24 @@ class CalibrationCycle:
             self.policy.set_exact_gradients(total, reduce=self.reduce)
         return grads
 
+    def add_noise_estimate(
+        self,
+        model: nn.Module,
+        loss_halves: tuple[Callable[[], torch.Tensor | None], Callable[[], torch.Tensor | None]],
+    ) -> bool:
+        """For a policy with a noise-relative budget that wants it this step
+        (``needs_noise_estimate``): the exact gradients of the batch's two halves, averaged
+        over ranks, handed to ``policy.set_noise_gradients``. Whether they were."""
+        wants = getattr(self.policy, "needs_noise_estimate", None)
+        if wants is None or self.step is None or not wants(self.step):
+            return False
+        halves = [exact_gradients(self.engine, model, f) for f in loss_halves]
+        if halves[0] is None or halves[1] is None:
+            return False
+        g1, g2 = (mean_over_ranks(g, self.reduce, self.world_size) for g in halves)
+        self.policy.set_noise_gradients(g1, g2)  # type: ignore[attr-defined]
+        return True
+
     def reset(self) -> None:
         """Forget the step begun: the next :meth:`begin` calls ``begin_step`` again."""
         self.step = self.ended = None

@@ -20,6 +20,7 @@ def compressed_step(
     compute_loss: Callable[[], torch.Tensor],
     step: int,
     reduce: Reduce = no_reduce,
+    loss_halves: tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """Forward and backward of one step under compression; the optimizer step is yours.
 
@@ -29,6 +30,8 @@ def compressed_step(
         compute_loss: runs the forward and returns the loss.
         step: global step (drives the policy's calibration schedule and seeds).
         reduce: averages a tensor over data-parallel ranks.
+        loss_halves: the loss on each half of the batch, for a policy with a noise-relative
+            budget (``needs_noise_estimate``); their exact gradients are passed on.
 
     Example:
         >>> from lightning_acgc.engine.settings import EngineSettings
@@ -45,7 +48,10 @@ def compressed_step(
     """
     cycle = CalibrationCycle(engine, reduce)
     engine.new_step(step)
-    if cycle.begin(step):
+    wants_exact = cycle.begin(step)
+    if loss_halves is not None:
+        cycle.add_noise_estimate(model, loss_halves)
+    if wants_exact:
         cycle.add_exact_gradient(model, compute_loss)
     with engine.scope():
         loss = compute_loss()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-__all__ = ["LADDER", "allocate_bits"]
+__all__ = ["KEEP", "LADDER", "allocate_bits", "allocate_to_error", "widths_up"]
 
 LADDER = (1, 2, 4, 8)
 
@@ -57,3 +57,67 @@ def allocate_bits(sizes: Sequence[int], weights: Sequence[float], budget: float)
         room -= cost
         push(i)
     return bits
+
+
+KEEP = 0  # a width meaning "not compressed" (the tensor is kept as it is)
+
+
+def widths_up(min_width: int) -> tuple[int, ...]:
+    """The widths a tensor may take at or above ``min_width`` (``KEEP`` last)."""
+    ladder = (*LADDER, KEEP)
+    return ladder[ladder.index(min_width) :]
+
+
+def allocate_to_error(
+    sizes: Sequence[int],
+    errors: Sequence[dict[int, float]],
+    budget: float,
+    min_widths: Sequence[int],
+    raw_bits: Sequence[int],
+    overhead: float = 0.0,
+) -> list[int]:
+    """Widths from {1, 2, 4, 8, ``KEEP``} that bring the total error Σ errors[t][b_t]
+    within ``budget`` for few bits Σ n_t·b_t: start every tensor at its ``min_widths``
+    entry, then take, while over budget, the upgrade with the largest error reduction
+    per added bit (a tensor kept as it is costs ``raw_bits`` per element, no error).
+
+    Args:
+        sizes: elements n_t of each tensor.
+        errors: per tensor, its modelled error at each width of ``LADDER``.
+        budget: the total error allowed.
+        min_widths: the smallest width each tensor may take (its own, per-layer limit).
+        raw_bits: bits per element of each tensor kept as it is (32 for float32).
+        overhead: bits per element a quantized tensor adds for its metadata.
+
+    Example:
+        >>> errs = [{1: 9.0, 2: 1.0, 4: 0.04, 8: 1e-4}, {1: 0.9, 2: 0.1, 4: 0.004, 8: 1e-5}]
+        >>> allocate_to_error([100, 100], errs, budget=0.5, min_widths=[1, 1], raw_bits=[32] * 2)
+        [4, 2]
+    """
+
+    def err(i: int, b: int) -> float:
+        return 0.0 if b == KEEP else errors[i][b]
+
+    def cost(i: int, b: int) -> float:
+        return raw_bits[i] if b == KEEP else b + overhead
+
+    widths = list(min_widths)
+    total = sum(err(i, b) for i, b in enumerate(widths))
+    heap: list[tuple[float, int, int]] = []
+
+    def push(i: int) -> None:
+        up = widths_up(widths[i])
+        if len(up) < 2 or sizes[i] == 0:
+            return
+        b, nxt = up[0], up[1]
+        gain = (err(i, b) - err(i, nxt)) / (sizes[i] * max(cost(i, nxt) - cost(i, b), 1e-3))
+        heapq.heappush(heap, (-gain, i, nxt))
+
+    for i in range(len(sizes)):
+        push(i)
+    while total > budget and heap:
+        _, i, nxt = heapq.heappop(heap)
+        total += err(i, nxt) - err(i, widths[i])
+        widths[i] = nxt
+        push(i)
+    return widths

@@ -7,7 +7,10 @@ activations, attention) pass the error on into upstream gradients; for them we u
 ``‖δ‖²`` times the mean fan-in of the model's weight ops as the factor. The input of a
 normalization (BatchNorm, LayerNorm, GroupNorm) is re-normalized in backward, so an
 error there counts relative to the input's spread: its factor is also divided by the
-input's variance. The AC-GC policy corrects the total with the error it measures.
+input's variance; for an affine norm, the direct part in its own weight gradient is
+counted as that module's (the AC-GC policy holds each layer to e, and a norm's γ
+gradient is small but sees its own input's error fully). The AC-GC policy corrects the
+total with the error it measures.
 
 A tensor saved by several sites (a ReLU output that is also the next conv's input) is
 packed once, by the first site; its sensitivity is the sum over all its sites.
@@ -15,11 +18,14 @@ packed once, by the first site; its sensitivity is the sum over all its sites.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
+
+import torch
 
 from lightning_acgc.engine.meter import SiteRecord
 
-__all__ = ["NORM_TYPES", "TensorSensitivity", "tensor_sensitivities"]
+__all__ = ["NORM_TYPES", "TensorSensitivity", "norm_inv_var", "tensor_sensitivities"]
 
 NORM_TYPES = frozenset(
     {
@@ -36,8 +42,13 @@ NORM_TYPES = frozenset(
     }
 )
 
-# Codec names that mean "not chosen by the policy" in a SiteRecord.
+# Codec names that mean "not chosen by the policy" in a SiteRecord (a tensor the policy
+# itself chose to keep, settings "policy", is the policy's and stays in the model).
 NOT_POLICY = ("kept", "mask")
+
+
+def _policy_packed(rec: SiteRecord) -> bool:
+    return rec.codec not in NOT_POLICY or (rec.codec == "kept" and rec.settings == "policy")
 
 
 @dataclass
@@ -60,26 +71,33 @@ def tensor_sensitivities(
     grad_sq: dict[str, float],
     fan_in: dict[str, int],
     inv_var: dict[str, float] | None = None,
+    norm_params: Collection[str] = (),
 ) -> dict[str, TensorSensitivity]:
     """Sensitivity of every policy-packed tensor of a step.
 
-    Args:
-        records: the step's site records (``engine.stats.sites``).
-        grad_sq: squared output-gradient norm by module name (``GradientStats.stop``).
-        fan_in: fan-in by module name for weight ops.
-        inv_var: 1 / variance of the saved input, by site key, for normalization sites.
+        Args:
+            records: the step's site records (``engine.stats.sites``).
+            grad_sq: squared output-gradient norm by module name (``GradientStats.stop``).
+            fan_in: fan-in by module name for weight ops.
+            inv_var: 1 / variance of the saved input, by site key, for normalization sites.
+            norm_params: normalization modules with an affine weight. Their saved input's error
+                (relative to its spread) also enters their own weight gradient directly
+                (dγ = Σ δ·x̂): that part, ``‖δ‖²/var``, is counted as theirs in
+                ``weight_by_module`` besides the part passed on through δ.
 
-    Example:
-        >>> from lightning_acgc.engine.meter import SiteRecord
-        >>> rec = SiteRecord("fc:0", "fc", "Linear", (8, 4), "float32", "bounded", "")
-        >>> tensor_sensitivities({"fc:0": rec}, {"fc": 2.0}, {"fc": 4})["fc:0"].weight
-        8.0
+        Example:
+            >>> import torch
+
+    from lightning_acgc.engine.meter import SiteRecord
+            >>> rec = SiteRecord("fc:0", "fc", "Linear", (8, 4), "float32", "bounded", "")
+            >>> tensor_sensitivities({"fc:0": rec}, {"fc": 2.0}, {"fc": 4})["fc:0"].weight
+            8.0
     """
     fallback = max(grad_sq.values(), default=0.0)
     mean_fan_in = sum(fan_in.values()) / len(fan_in) if fan_in else 1.0
     out: dict[str, TensorSensitivity] = {}
     for rec in records.values():
-        if rec.codec in NOT_POLICY or rec.shared_with is not None:
+        if not _policy_packed(rec) or rec.shared_with is not None:
             continue
         numel = 1
         for d in rec.shape:
@@ -97,4 +115,29 @@ def tensor_sensitivities(
         else:
             scale = (inv_var or {}).get(rec.key, 1.0) if rec.module_type in NORM_TYPES else 1.0
             root.other += mean_fan_in * delta_sq * scale
+            if rec.module in norm_params and rec.module_type in NORM_TYPES:
+                c = delta_sq * scale
+                root.weight += c
+                root.weight_by_module[rec.module] = root.weight_by_module.get(rec.module, 0.0) + c
     return out
+
+
+def norm_inv_var(x: torch.Tensor, module_type: str) -> float | None:
+    """Mean of 1/variance over the groups a normalization normalizes (channels for
+    BatchNorm, rows of the last dimension for LayerNorm/RMSNorm, the whole tensor
+    otherwise): the factor by which its input's error enters x̂. ``None`` if undefined.
+
+    Example:
+        >>> x = torch.cat([torch.randn(64, 1, 8) * 10, torch.randn(64, 1, 8)], dim=1)
+        >>> round(norm_inv_var(x, "BatchNorm1d"), 1) > 1 / x.var().item()
+        True
+    """
+    x = x.detach().float()
+    if module_type.startswith(("BatchNorm", "SyncBatchNorm")) and x.dim() >= 2:
+        var = x.transpose(0, 1).reshape(x.shape[1], -1).var(dim=1)
+    elif module_type in ("LayerNorm", "RMSNorm") and x.dim() >= 1 and x.shape[-1] > 1:
+        var = x.reshape(-1, x.shape[-1]).var(dim=1)
+    else:
+        var = x.reshape(1, -1).var(dim=1)
+    var = var[torch.isfinite(var) & (var > 0)]
+    return float((1.0 / var).mean()) if var.numel() else None

@@ -1,0 +1,156 @@
+"""acgc against fixed settings at their own gradient error, on the recipes' models.
+
+For each model: fixed 2-bit and 4-bit ``quant`` and ``gact`` at its default are run for
+their calibration steps, then one measured step; their relative gradient error
+‖ĝ − g‖/‖g‖ (exact gradient of the same batch, dropout masks alike) and compression ratio
+(bytes plain training saves / bytes kept) are recorded. Then ``acgc`` with
+``gradient_error`` set to each of those errors, and ``acgc`` at its default, measured the
+same way (goal: within the error, at >= 95% of the fixed setting's ratio). Also logged:
+acgc's calibration-step errors (its promise), κ, and the calibration's cost.
+
+Prints one JSON line.
+
+    python -m benchmarks.acgc_vs_fixed --quick [--models resnet bert gnn] [--plot PNG]
+
+``--plot`` draws the trade-off (ratio vs measured gradient error, one curve per policy,
+one panel per model), e.g. ``docs/acgc_vs_fixed.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+import torch
+
+from benchmarks._harness import (
+    MEASURED_STEP,
+    MODELS,
+    POLICIES,
+    add_common_arguments,
+    build_recipe,
+    count_saved,
+    emit,
+    machine,
+    make_runner,
+    resolve_device,
+    setup_threads,
+)
+from lightning_acgc.engine.step import exact_gradients
+
+BASELINES = {
+    "quant2": ("fixed", {"codec": "quant", "bits": 2}),
+    "quant4": ("fixed", {"codec": "quant", "bits": 4}),
+    "gact": ("gact", {}),
+}
+
+
+def measure(recipe: Any, config: str, plain_bytes: int, options: dict | None = None) -> dict:
+    """Calibration steps, then one measured step with its error against the exact
+    gradient of the same batch."""
+    runner = make_runner(config, recipe, options)
+    try:
+        calibration = runner.calibrate()
+        loss = lambda: recipe.loss(runner.module)
+        exact = exact_gradients(runner.engine, runner.module, loss)
+        stats = runner.step(MEASURED_STEP)
+        err_sq = g_sq = 0.0
+        for name, p in runner.module.named_parameters():
+            if name in exact and p.grad is not None:
+                ref = exact[name].double()
+                g_sq += float(ref.square().sum())
+                err_sq += float((p.grad.double() - ref).square().sum())
+        row: dict[str, Any] = {
+            "grad_error": round(math.sqrt(err_sq / g_sq), 5),
+            "ratio": round(plain_bytes / stats.packed_bytes, 3),
+        }
+        measured = [m["grad_error"] for m in calibration if "grad_error" in m]
+        if measured:
+            row["calib_errors"] = [round(m, 5) for m in measured]
+        last = calibration[-1] if calibration else {}
+        for key in ("kappa", "lambda", "avg_bits", "calib_ms", "noise_error"):
+            if key in last:
+                row[key] = round(last[key], 4)
+        return row
+    finally:
+        runner.close()
+
+
+def compare_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    device = resolve_device(args.device)
+    recipe = build_recipe(name, args.quick, device)
+    plain = count_saved(recipe, recipe.module)
+    rows: dict[str, Any] = {}
+    for config, spec in BASELINES.items():
+        POLICIES[config] = spec
+        base = measure(recipe, config, plain)
+        e = min(base["grad_error"], 0.99)
+        acgc = measure(recipe, "acgc", plain, {"gradient_error": e, **args.acgc_options})
+        acgc["within"] = acgc["grad_error"] <= e
+        acgc["ratio_share"] = round(acgc["ratio"] / base["ratio"], 3)
+        rows[config] = {"baseline": base, "acgc_at_its_error": acgc}
+    default = measure(recipe, "acgc", plain, dict(args.acgc_options))
+    default["within"] = default["grad_error"] <= 0.05
+    rows["acgc_default"] = default
+    return {"description": recipe.description, "plain_bytes": plain, "results": rows}
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """Ratio vs measured gradient error: fixed quant (2, 4 bits), gact, acgc."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = result["models"]
+    fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.6), squeeze=False)
+    for ax, (name, model) in zip(axes[0], models.items(), strict=True):
+        rows = model["results"]
+        curves = {
+            "fixed quant (2, 4 bits)": [rows[c]["baseline"] for c in ("quant4", "quant2")],
+            "gact (default)": [rows["gact"]["baseline"]],
+            "acgc": sorted(
+                [rows[c]["acgc_at_its_error"] for c in BASELINES] + [rows["acgc_default"]],
+                key=lambda r: r["grad_error"],
+            ),
+        }
+        for label, points in curves.items():
+            xs = [p["grad_error"] for p in points]
+            ax.plot(xs, [p["ratio"] for p in points], marker="o", label=label)
+        ax.set_xscale("log")
+        ax.set_xlabel("measured gradient error ‖ĝ − g‖/‖g‖")
+        ax.set_ylabel("compression ratio")
+        ax.set_title(f"{name} ({result['mode']})")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_common_arguments(parser)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--codec", default=None, help="acgc's codec (default: its own)")
+    parser.add_argument("--plot", default=None, help="write the trade-off plot here (PNG)")
+    args = parser.parse_args(argv)
+    setup_threads(args)
+    args.acgc_options = {"codec": args.codec} if args.codec else {}
+    torch.manual_seed(0)
+    result = {
+        "benchmark": "acgc_vs_fixed",
+        "mode": "quick" if args.quick else "full",
+        "machine": machine(resolve_device(args.device)),
+        "models": {name: compare_model(name, args) for name in args.models},
+    }
+    emit(result)
+    if args.plot:
+        plot(result, args.plot)
+    return result
+
+
+if __name__ == "__main__":
+    main()

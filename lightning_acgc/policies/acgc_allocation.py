@@ -1,0 +1,152 @@
+"""AC-GC's allocation: from averaged sensitivities to per-tensor codec settings.
+
+Both allocations hold the same two promises (see :mod:`lightning_acgc.policies.acgc`):
+
+* per layer: a weight op's own saved input adds at most ``layer_share · E · ‖g_m‖² / μ_m``
+  to its gradient's error (analytic factor ``c_{t,m}`` = fan_in·‖δ‖²);
+* globally: the modelled total stays within ``E · ‖g‖²``, the other ops' (heuristic)
+  factors weighted by λ.
+
+``E`` = target · e² / κ. Sensitivities are ``(numel, {weight op: c_{t,m}}, other)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from lightning_acgc.codecs.registry import codec_config_class
+from lightning_acgc.policies._schedule import round_bound_down
+from lightning_acgc.policies.bit_allocation import KEEP, LADDER, allocate_to_error
+
+__all__ = [
+    "UNCONSTRAINED",
+    "Sensitivity",
+    "average",
+    "bounded_bounds",
+    "quant_meta_options",
+    "quant_widths",
+]
+
+UNCONSTRAINED = 1e30  # bound for a tensor no gradient depends on
+SAFE_WIDTH = 8  # width of a tensor no gradient depends on (see quant_widths)
+
+Sensitivity = tuple[int, dict[str, float], float]
+
+
+def quant_meta_options() -> dict[str, Any]:
+    """bf16 group metadata (32 bits a group instead of 64) where this version's ``quant``
+    codec offers it; read from its config at runtime so acgc works with either."""
+    fields = {f.name for f in dataclasses.fields(codec_config_class("quant"))}
+    return {"meta": "bf16"} if "meta" in fields else {}
+
+
+def average(history: dict[str, Iterable[Sensitivity]]) -> dict[str, Sensitivity]:
+    """Each tensor's sensitivity averaged over its readings (size: the latest).
+
+    Example:
+        >>> average({"t": [(4, {"fc": 1.0}, 2.0), (4, {"fc": 3.0}, 0.0)]})
+        {'t': (4, {'fc': 2.0}, 1.0)}
+    """
+    out = {}
+    for key, readings in history.items():
+        hist = list(readings)
+        weights: dict[str, float] = {}
+        for _, w, _ in hist:
+            for m, c in w.items():
+                weights[m] = weights.get(m, 0.0) + c / len(hist)
+        out[key] = (hist[-1][0], weights, sum(o for _, _, o in hist) / len(hist))
+    return out
+
+
+def _own_budgets(
+    weights: dict[str, float],
+    layer_sq: dict[str, float],
+    e_sq: float,
+    own_scale: Callable[[str], float],
+    layer_share: float,
+) -> tuple[list[tuple[float, float]], float]:
+    """(c_{t,m}, own budget) per weight op with a gradient to compare with; the factors
+    of weight ops without one (which join the global budget)."""
+    own, orphan = [], 0.0
+    for m, c in weights.items():
+        if c > 0 and layer_sq.get(m, 0.0) > 0:
+            own.append((c, layer_share * e_sq * layer_sq[m] / own_scale(m)))
+        elif c > 0:
+            orphan += c
+    return own, orphan
+
+
+def bounded_bounds(
+    sens: dict[str, Sensitivity],
+    layer_sq: dict[str, float],
+    g_sq: float,
+    e_sq: float,
+    lam: float,
+    own_scale: Callable[[str], float],
+    layer_share: float,
+) -> dict[str, float]:
+    """Error bounds of the ``bounded`` codec (variance ≤ eb²/3): each weight op's input
+    meets its own budget; the other ops share ``(1 − layer_share) · E · ‖g‖² / λ`` in
+    proportion to their size."""
+    others = sum(n for n, _, o in sens.values() if o > 0)
+    bounds = {}
+    for key, (n, weights, other) in sens.items():
+        own, orphan = _own_budgets(weights, layer_sq, e_sq, own_scale, layer_share)
+        other += orphan
+        eb = min((math.sqrt(3 * b / c) for c, b in own), default=UNCONSTRAINED)
+        if other > 0:
+            rest = (1 - layer_share) * e_sq * g_sq / lam
+            eb = min(eb, math.sqrt(3 * rest * n / (max(others, n) * other)))
+        bounds[key] = round_bound_down(min(max(eb, 1e-30), UNCONSTRAINED))
+    return bounds
+
+
+def quant_widths(
+    sens: dict[str, Sensitivity],
+    variances: dict[str, list[float]],
+    layer_sq: dict[str, float],
+    g_sq: float,
+    e_sq: float,
+    lam: float,
+    own_scale: Callable[[str], float],
+    layer_share: float,
+    raw_bits: dict[str, int],
+    overhead: float,
+) -> dict[str, int]:
+    """Widths of the ``quant`` codec (``KEEP``: not compressed) for the tensors with a
+    measured variance table (``variances[t][i]``: per-element variance at ``LADDER[i]``).
+
+    Each tensor starts at the smallest width that meets its weight ops' own budgets (or
+    ``KEEP`` if 8 bits do not); then greedy upgrades, best error reduction per added bit
+    first, bring Σ_t (w_t + λ·o_t)·v_t(b_t) within ``E · ‖g‖²``. A tensor no gradient
+    depends on (sensitivity 0: its module's output gradient was exactly zero) is neither
+    measured by the model nor by the gradient error, so it is kept at a safe 8 bits rather
+    than trusted to a model that has no reading for it.
+    """
+    keys = sorted(k for k in sens if k in variances)
+    sizes, errors, mins, raws = [], [], [], []
+    for key in keys:
+        n, weights, other = sens[key]
+        v = dict(zip(LADDER, variances[key], strict=True))
+        own, orphan = _own_budgets(weights, layer_sq, e_sq, own_scale, layer_share)
+        factor = sum(weights.values()) - orphan + lam * (other + orphan)
+        if factor <= 0:
+            width = SAFE_WIDTH
+        else:
+            width = next(
+                (
+                    b
+                    for b in LADDER
+                    if math.isfinite(v[b]) and all(c * v[b] <= bud for c, bud in own)
+                ),
+                KEEP,
+            )
+        sizes.append(n)
+        errors.append({b: factor * v[b] for b in LADDER})
+        mins.append(width)
+        raws.append(raw_bits.get(key, 32))
+    widths = allocate_to_error(sizes, errors, e_sq * g_sq, mins, raws, overhead)
+    return dict(zip(keys, widths, strict=True))

@@ -1,0 +1,146 @@
+"""The AC-GC policy's corrections of its error model, from measured errors.
+
+κ scales the whole model (measured / modelled total error); λ weights the other ops'
+(heuristic) factors and μ_m each weight op's own input, from each module's own gradient
+error measured against target · e²‖g_m‖² (see :mod:`lightning_acgc.policies.acgc`).
+
+The bound is held per layer too: a global ‖ĝ − g‖ ≤ e‖g‖ alone lets a layer whose
+gradient is small (attention's query and key at initialization) take a 100% error
+unnoticed, and with Adam, which rescales every coordinate, it then never learns. A
+weight op's own saved input gets at most ``layer_share`` of E·‖g_W‖², divided by a
+per-layer correction μ_m; errors that reach a layer through δ (from the other ops'
+saved tensors) are weighted by a correction λ. On every verified calibration each
+module's own gradient error is measured against target · e²‖g_m‖²; a module over it by
+r tightens μ_m and λ by r (each the largest of its last ``history`` readings, rising at
+most 16x per reading). Modules whose gradient is below ``layer_floor`` of ‖g‖² are not
+held to e. The worst module's error is logged as ``layer_grad_error``, λ as ``lambda``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from lightning_acgc.policies.acgc_allocation import UNCONSTRAINED
+from lightning_acgc.policies.bit_allocation import KEEP
+
+__all__ = ["ModelCorrections"]
+
+
+class ModelCorrections:
+    """Mixin of :class:`~lightning_acgc.policies.acgc.ACGCPolicy`: reads measured errors
+    into κ, λ and μ_m, and logs them. Uses the policy's ``codec``, ``target``, ``error_target``,
+    ``history``, ``kappa``, ``_readings``, ``_layer_readings``, ``_own_readings``,
+    ``_predicted``, ``_predicted_own``, ``_own_ops`` and ``_metrics``."""
+
+    layer_share = 0.5  # part of each layer's E‖g_W‖² that its weight op's input may use
+    max_loosening = 2.0  # largest decrease of κ per reading
+    max_tightening = 16.0  # largest increase of λ or μ_m per reading
+    min_correction = 1.0  # quant: smallest μ_m (below 1 loosened layers past e: see report)
+    layer_floor = 1e-12  # modules with ‖g_m‖² below this share of ‖g‖² are not held to e
+    violation_memory = 0.97  # per calibration without a violation, the remembered value fades
+
+    @property
+    def lam(self) -> float:
+        """λ: the extra weight of the other ops' errors, from per-layer readings."""
+        return max(self._layer_readings, default=1.0)
+
+    def _own_scale(self, module: str) -> float:
+        """μ_m: the extra tightening of weight op ``module``'s own input."""
+        return max(self._own_readings.get(module, ()), default=1.0)
+
+    def _measure(self, g_sq: float, err_sq: float) -> None:
+        """Log the measured error; compare it with the model's prediction for the settings."""
+        ratio = math.sqrt(err_sq / g_sq)
+        e = self.error_target
+        self._metrics["grad_error"] = ratio
+        self._metrics["tightened"] = float(ratio > e)
+        if self._predicted is None or self._predicted <= 0:
+            return
+        reading = max(err_sq / self._predicted, 1e-3)
+        self._readings.append(reading)
+        if self.codec == "quant":
+            # Both ways: the geometric mean of the last readings; at once to the latest
+            # reading when the promise was broken.
+            mean = math.exp(sum(map(math.log, self._readings)) / len(self._readings))
+            mean = max(mean, self.kappa / self.max_loosening)
+            self.kappa = max(mean, reading) if ratio > e else mean
+        else:
+            # Tighten at once; loosen at most 2x in variance per calibration: eb²/3 is a
+            # loose upper bound, least reliable far from where it was last checked.
+            self.kappa = max(max(self._readings), self.kappa / self.max_loosening)
+
+    def _measure_layers(
+        self, module_g: dict[str, float], module_err: dict[str, float], g_sq: float
+    ) -> None:
+        """Per-layer check. A module over its budget target · e²‖g_m‖² by a factor r
+        tightens, by r, both possible sources: its own input (μ_m, weight ops) and the
+        other ops (λ, for the worst module). Each correction is the largest of its last
+        ``history`` readings, so it falls back at once where a tightening was not needed,
+        and rises at most ``max_tightening`` per reading, so a source that was not the
+        cause does not ratchet up."""
+        budget = self.target * self.error_target**2
+        worst = 0.0
+        needs: dict[str, float] = {}  # measured error / budget, per module
+        through_delta: dict[str, float] = {}  # the part of that not from its own input
+        for module, g in module_g.items():
+            if g <= self.layer_floor * g_sq:
+                continue
+            err = module_err.get(module, 0.0)
+            worst = max(worst, err / g)
+            needs[module] = err / (budget * g)
+            own = self._predicted_own.get(module, 0.0)
+            through_delta[module] = max(err - own, 0.0) / ((1 - self.layer_share) * budget * g)
+        self._metrics["layer_grad_error"] = math.sqrt(worst)
+        if self._predicted is None or not needs:
+            return  # the settings in force were not allocated this step (first step)
+        # Modules over budget set λ by their δ part (an over-budget module whose own input
+        # explains its error lets λ fall); with all within budget λ may fall to what the
+        # worst module leaves room for.
+        over = [through_delta[m] for m, r in needs.items() if r > 1]
+        lam_need = max(over) if over else max(needs.values())
+        self._add_reading(self._layer_readings, lam_need, 1.0, "")
+        floor = 1.0 if self.codec == "bounded" else self.min_correction
+        for module in self._own_ops:
+            readings = self._own_readings.setdefault(module, deque(maxlen=self.history))
+            self._add_reading(readings, needs.get(module, 0.0), floor, module)
+
+    def _add_reading(self, readings: deque[float], need: float, floor: float, key: str) -> None:
+        """One reading of a per-layer correction (the largest of its ``readings``): the
+        value times ``need`` would have put the layer on budget; kept within
+        [max(floor, value / max_loosening), value · max_tightening], and above
+        ``max_loosening`` times the largest value under which this correction's layer
+        (``key``; "" for λ) broke its budget (a memory that fades by
+        ``violation_memory`` per calibration within budget). Falling at once made λ
+        oscillate: back within e it dropped 16x, one site fell from 8 to 4 bits and the
+        next calibration broke the promise by 16x. λ's floor is 1 (κ scales the whole model both
+        ways); with ``quant`` μ_m's is ``min_correction``, so a layer the model overrates
+        (its own input's error is modelled exactly, up to δ's correlations) loosens too."""
+        value = max(readings, default=1.0)
+        # A value under which the layer broke its budget is not tried again soon (widths
+        # are discrete: 2x looser can mean 8 -> 4 bits, 289x the error).
+        violated = getattr(self, "_violated", None)
+        if violated is None:
+            violated = self._violated = {}
+        if need > 1:
+            violated[key] = max(violated.get(key, 0.0), value)
+        elif key in violated:
+            violated[key] *= self.violation_memory
+        low = max(floor, value / self.max_loosening, self.max_loosening * violated.get(key, 0.0))
+        readings.append(min(max(value * need, low), max(value * self.max_tightening, low)))
+
+    def _log(self) -> None:
+        m = self._metrics
+        m["calib_ms"] = 1e3 * self._calib_s
+        if self._step_s:
+            m["calib_share"] = self._calib_s / (self.calibrate_every * self._step_s)
+        m["kappa"], m["lambda"] = self.kappa, self.lam
+        m["error_target"] = self.error_target
+        if self.codec == "quant" and self._structure:
+            widths = [(self._structure[k], b) for k, b in self.site_bits.items()]
+            sized = [(math.prod(r.shape), 32 if b == KEEP else b) for r, b in widths if r.shape]
+            if sized:
+                m["avg_bits"] = sum(n * b for n, b in sized) / sum(n for n, _ in sized)
+        finite = [math.log10(b) for b in self.bounds.values() if b < UNCONSTRAINED]
+        if finite:
+            m["log10_bound"] = sum(finite) / len(finite)

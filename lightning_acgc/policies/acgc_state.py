@@ -1,0 +1,64 @@
+"""acgc's checkpoint state: what a resumed run needs to continue with the same settings."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from typing import Any
+
+from lightning_acgc.engine.meter import SiteRecord
+
+__all__ = ["ACGCState"]
+
+
+class ACGCState:
+    """``state_dict``/``load_state_dict`` of :class:`~lightning_acgc.policies.acgc.ACGCPolicy`
+    (a mixin over its attributes)."""
+
+    history: int
+    codec: str
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "codec": self.codec,
+            "bounds": dict(self.bounds),
+            "site_bits": dict(self.site_bits),
+            "variances": {k: list(v) for k, v in self._variances.items()},
+            "raw_bits": dict(self._raw_bits),
+            "kappa": self.kappa,
+            "error_target": self.error_target,
+            "readings": list(self._readings),
+            "layer_readings": list(self._layer_readings),
+            "own_readings": {m: list(v) for m, v in self._own_readings.items()},
+            "sens": {k: list(v) for k, v in self._sens.items()},
+            "grad_sq": list(self._grad_sq),
+            "noise_sq": list(self._noise_sq),
+            "layer_grad_sq": list(self._layer_grad_sq),
+            "inv_var": dict(self._inv_var),
+            "structure": {k: dataclasses.asdict(r) for k, r in self._structure.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # (checkpoints written before the quant codec or the per-layer check lack some)
+        self.bounds = dict(state["bounds"])
+        self.site_bits = {k: int(v) for k, v in state.get("site_bits", {}).items()}
+        self._variances = {k: list(v) for k, v in state.get("variances", {}).items()}
+        self._raw_bits = dict(state.get("raw_bits", {}))
+        self.kappa = float(state["kappa"])
+        self.error_target = float(state.get("error_target", self.error_target))
+        self._readings = deque(state["readings"], maxlen=self.history)
+        self._layer_readings = deque(state.get("layer_readings", ()), maxlen=self.history)
+        self._own_readings = {
+            m: deque(v, maxlen=self.history) for m, v in state.get("own_readings", {}).items()
+        }
+        self._sens = {
+            k: deque((tuple(h) for h in v), maxlen=self.history) for k, v in state["sens"].items()
+        }
+        self._grad_sq = deque(state["grad_sq"], maxlen=self.history)
+        self._noise_sq = deque(state.get("noise_sq", ()), maxlen=self.history)
+        self._layer_grad_sq = deque(state["layer_grad_sq"], maxlen=self.history)
+        self._inv_var = dict(state["inv_var"])
+        self._structure = {
+            k: SiteRecord(**{**r, "shape": tuple(r["shape"])})
+            for k, r in state["structure"].items()
+        }

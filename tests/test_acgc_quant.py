@@ -1,0 +1,194 @@
+"""acgc with the ``quant`` codec: the error model of stochastic rounding, the allocation
+of widths, mixed widths through the engine, the calibration, the noise-relative budget."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_acgc.codecs.quant import QuantCodec, QuantConfig
+from lightning_acgc.engine import ActivationCompressor, EngineSettings, compressed_step
+from lightning_acgc.policies import ACGCPolicy, build_policy
+from lightning_acgc.policies.bit_allocation import KEEP, LADDER, allocate_to_error
+from lightning_acgc.policies.quant_error import sr_variance
+from tests.test_policies import _train
+
+
+def _codec_error(x: torch.Tensor, bits: int) -> float:
+    codec = QuantCodec(QuantConfig(bits=bits, group_size=256))
+    errs = [(codec.decode(codec.encode(x, seed=s)) - x).double().square().mean() for s in range(8)]
+    return float(sum(errs) / len(errs))
+
+
+def test_sr_variance_is_the_codecs_error() -> None:
+    """The modelled per-element variance equals the codec's measured one at every width,
+    for signed tensors and for ReLU-like ones (zero-kept groups: zeros exact), which are
+    never given 1 bit (their mask would not be kept)."""
+    g = torch.Generator().manual_seed(0)
+    signed = torch.randn(64, 512, generator=g) * torch.rand(64, 1, generator=g)
+    relu = signed.relu()
+    relu[:, :100] *= 5.0  # groups of different ranges
+    for x in (signed, relu):
+        model = sr_variance(x, 256, max_groups=10**9)
+        for i, bits in enumerate(LADDER):
+            if x is relu and bits == 1:
+                assert math.isinf(float(model[i]))
+                continue
+            assert _codec_error(x, bits) == pytest.approx(float(model[i]), rel=0.05), bits
+    sampled = sr_variance(signed, 256, max_groups=32)  # a regular sample of the groups
+    assert torch.allclose(sampled, sr_variance(signed, 256, max_groups=10**9), rtol=0.3)
+
+
+def test_allocation_gives_more_bits_to_the_more_sensitive_tensor() -> None:
+    v = [1.0, 0.1, 0.005, 2e-5]  # per-element variance at 1, 2, 4, 8 bits
+    errors = [{b: c * x for b, x in zip(LADDER, v, strict=True)} for c in (1.0, 100.0)]
+    widths = allocate_to_error([1000, 1000], errors, 1.0, [1, 1], [32, 32])
+    assert widths[1] > widths[0], widths
+    assert sum(errors[i][b] for i, b in enumerate(widths)) <= 1.0
+    # per-layer minimum widths are kept; an unreachable budget keeps tensors raw
+    assert allocate_to_error([10, 10], errors, 1.0, [8, 1], [32, 32])[0] == 8
+    assert allocate_to_error([10, 10], errors, 0.0, [1, 1], [32, 32]) == [KEEP, KEEP]
+
+
+def test_one_bit_and_mixed_widths_round_trip_through_the_engine() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4)
+    )
+    x = torch.randn(64, 32)
+    policy = ACGCPolicy(gradient_error=0.5, warmup_steps=1, calibrate_every=1000)
+    engine = ActivationCompressor(
+        policy, model=model, settings=EngineSettings(min_numel=0), keep_packed=True
+    )
+    engine.install()
+    policy.setup(model)
+    policy.site_bits = {"0:0": KEEP, "1:0": 1, "3:0": 2, ":0": 8}  # 1:0, 3:0 shared by 2, 4
+    try:
+        model.zero_grad()
+        compressed_step(engine, model, lambda: model(x).square().mean(), step=5)
+        settings = {k: r.settings for k, r in engine.stats.sites.items()}
+        assert settings["1:0"] == "bits=1" and settings["3:0"] == "bits=2", settings
+        assert engine.stats.sites["0:0"].settings == "policy"  # kept by the policy
+        assert sorted({p.meta["bits"] for p in engine.packed_log if p.codec == "quant"}) == [
+            1,
+            2,
+            8,
+        ]
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    finally:
+        engine.remove()
+
+
+def _deep_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    dims = [64, 384, 256, 512, 192, 320, 448, 256, 384, 10]
+    layers: list[nn.Module] = []
+    for i in range(len(dims) - 1):
+        layers.append(nn.Linear(dims[i], dims[i + 1]))
+        if i < len(dims) - 2:
+            layers.append(nn.Tanh() if i % 2 else nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def _digits(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(128, 64, generator=g), torch.randint(0, 10, (128,), generator=g)
+
+
+@pytest.mark.slow
+def test_calibration_keeps_the_promise_and_uses_the_budget() -> None:
+    """``gradient_error`` keeps its meaning on calibration steps; κ settles (both ways),
+    and at a loose e the quant allocation compresses far more than at a tight one."""
+    ratios = {}
+    for e in (0.05, 0.3):
+        _, history = _train(
+            _deep_mlp(), "acgc", 8, _digits, lr=0.0, gradient_error=e, calibrate_every=1
+        )
+        errors = [h["grad_error"] for h in history]
+        assert max(errors) <= e, (e, errors)
+        kappas = [h["kappa"] for h in history[4:]]
+        assert max(kappas) / min(kappas) < 2.0, kappas  # settled
+        assert max(errors[3:]) >= 0.2 * e  # not a tiny fraction of the budget
+        ratios[e] = history[-1]["ratio"]
+    assert ratios[0.3] > 1.5 * ratios[0.05], ratios
+
+
+def test_bounded_codec_stays_available() -> None:
+    e = 0.1
+    policy, history = _train(
+        _deep_mlp(),
+        "acgc",
+        4,
+        _digits,
+        lr=0.0,
+        gradient_error=e,
+        calibrate_every=1,
+        codec="bounded",
+    )
+    assert all(v.startswith("eb=") for v in policy.site_settings().values())
+    assert all(h["grad_error"] <= e for h in history)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"codec": "mask"}, "codec"),
+        ({"noise_ratio": 0}, "noise_ratio"),
+        ({"layer_floor": 2}, "layer_floor"),
+    ],
+)
+def test_bad_acgc_options(options: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        build_policy("acgc", **options)
+
+
+def _regression(batch: int, d: int = 64, rho: float = 0.5, steps: int = 6) -> tuple[float, list]:
+    """Linear regression y = x·w* + ε (x ~ N(0, I), ε ~ N(0, σ²)) at w = w* + u: the batch
+    gradient of mean((x·w − y)²) has mean 2u and trace of covariance
+    4((‖u‖² + σ²)·d + ‖u‖²)/B, so the noise-relative error is known in closed form."""
+    torch.manual_seed(0)
+    sigma = 1.0
+    w_star = torch.randn(d)
+    u = torch.randn(d)
+    u /= u.norm()
+    model = nn.Linear(d, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(w_star + u)
+    policy = build_policy("acgc", noise_ratio=rho, calibrate_every=1, warmup_steps=1)
+    engine = ActivationCompressor(policy, model=model, settings=EngineSettings(min_numel=0))
+    engine.install()
+    policy.setup(model)
+    history = []
+    try:
+        for step in range(steps):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(batch, d, generator=g)
+            y = x @ w_star + sigma * torch.randn(batch, generator=g)
+            h = batch // 2
+
+            def loss(a: int = 0, b: int = batch, x=x, y=y) -> torch.Tensor:
+                return (model(x[a:b]).squeeze(1) - y[a:b]).square().mean()
+
+            model.zero_grad()
+            halves = (lambda h=h: loss(0, h), lambda h=h: loss(h, batch))
+            compressed_step(engine, model, loss, step, loss_halves=halves)
+            history.append(policy.metrics())
+    finally:
+        engine.remove()
+    trace = 4 * ((1 + sigma**2) * d + 1) / batch
+    expected = rho * math.sqrt(trace / (4 + trace))  # ρ·sqrt(tr Var g)/sqrt(E‖g‖²)
+    return expected, history
+
+
+def test_noise_relative_budget_on_linear_regression() -> None:
+    targets = {}
+    for batch in (256, 1024):
+        expected, history = _regression(batch)
+        got = history[-1]["error_target"]
+        assert got == pytest.approx(expected, rel=0.25), (batch, got, expected)
+        assert all(h["grad_error"] <= h["error_target"] for h in history)
+        targets[batch] = got
+    assert targets[1024] < 0.7 * targets[256]  # tightens as the batch grows
