@@ -128,13 +128,15 @@ def test_compressed_search_finds_a_batch_8x_larger(tmp_path: Path) -> None:
     assert model.batch_size == found and trainer.train_dataloader.batch_size == found
     assert model.batch_sizes_seen[-2:] == [found, found]
     assert cb.stats.peak_live_bytes + cb.engine.budget_base <= parse_memory(BUDGET)
-    # the learning rate followed the batch size, and everything was logged
-    assert finder.lr_factor == found / 2
-    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.01 * found / 2)
+    # the learning rate followed the batch size up to max_lr_factor, and everything
+    # was logged
+    factor = min(found / 2, finder.max_lr_factor)
+    assert finder.lr_factor == factor and finder.lr_factor_wanted == found / 2
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.01 * factor)
     metrics = trainer.callback_metrics
     assert metrics["acgc/batch_size"] == found
     assert metrics["acgc/batch_size_uncompressed"] == plain
-    assert metrics["acgc/lr_factor"] == pytest.approx(found / 2)
+    assert metrics["acgc/lr_factor"] == pytest.approx(factor)
     assert not list(tmp_path.glob(".scale_batch_size_*"))
 
 
