@@ -212,6 +212,8 @@ class ActivationCompressor:
             )
         rec.raw_bytes += raw
         rec.packed_bytes += kept
+        if kept:
+            rec.tensor_bytes += t.numel() * t.element_size()
         rec.count += 1
 
     def _check_budget(self, nbytes: int) -> None:
