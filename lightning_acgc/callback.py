@@ -170,7 +170,8 @@ class ActivationCompression(Callback):
         backend: ``"auto"``, ``"torch"`` or ``"triton"`` for the codecs' kernels.
         min_numel: tensors with fewer elements are kept as they are.
         seed: base seed of the codecs' random numbers (never the global RNG).
-        print_table: print the per-site table at fit end (rank zero).
+        print_table: print the per-site table at fit end (rank zero): ``True`` the
+            largest sites, why tensors stayed raw and the total; ``"full"`` every site.
         scale_batch_size: ``"power"``, ``"binsearch"``, a
             :class:`~lightning_acgc.batch_size.CompressedBatchSizeFinder`, or ``None``:
             raise the batch size with Lightning's tuner on fit start, with compression
@@ -221,7 +222,7 @@ class ActivationCompression(Callback):
         backend: str = "auto",
         min_numel: int = 1024,
         seed: int = 0,
-        print_table: bool = True,
+        print_table: bool | str = True,
         scale_batch_size: str | CompressedBatchSizeFinder | None = None,
         memory_budget: int | str | None = None,
         lr_scaling: str | None = None,
@@ -238,7 +239,9 @@ class ActivationCompression(Callback):
         self.log_every_n_steps = log_every_n_steps
         self.min_numel = min_numel
         self.seed = seed
-        self.print_table = bool(print_table)
+        if print_table not in (True, False, "full"):
+            raise ValueError(f"print_table={print_table!r} must be True, False or 'full'")
+        self.print_table = print_table
         self.memory_budget = parse_memory(memory_budget)
         self.batch_size_finder = self._make_finder(scale_batch_size, lr_scaling)
 
@@ -323,7 +326,8 @@ class ActivationCompression(Callback):
         """The per-site table of the latest step, then the policy's site settings."""
         if self.engine is None:
             return "lightning_acgc: no training step ran"
-        lines = [f"lightning_acgc: {self.describe()} (latest step)", self.engine.stats.table()]
+        table = self.engine.stats.table(full=self.print_table == "full")
+        lines = [f"lightning_acgc: {self.describe()} (latest step)", table]
         settings = self.policy.site_settings()
         if settings:
             lines.append("policy settings:")

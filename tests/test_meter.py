@@ -8,13 +8,15 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from _lightning_models import TinyCNN, fit
 from torch import nn
 
-from lightning_acgc import compress_activations
+from lightning_acgc import ActivationCompression, compress_activations
 
 
 class CNNMaxPool(nn.Module):
@@ -172,3 +174,16 @@ def test_table_is_short_by_default_and_names_why_tensors_stayed_raw() -> None:
     assert "kept raw:" in short  # the reasons, counted, also in the short table
     assert "not float" in short  # max-pool indices
     assert "tiny" in full
+
+
+def test_callback_prints_the_full_table_on_request(tmp_path: Path) -> None:
+    tables = {}
+    for mode in (True, "full"):
+        cb = ActivationCompression(codec="quant", bits=4, min_numel=0, print_table=mode)
+        fit(TinyCNN(batch_size=4, samples=8), [cb], max_steps=1, default_root_dir=str(tmp_path))
+        tables[mode] = cb.summary()
+        assert cb.stats is not None and len(cb.stats.sites) > 10
+    assert "smaller sites (print_table='full'" in tables[True]
+    assert "smaller sites" not in tables["full"]
+    with pytest.raises(ValueError, match="print_table"):
+        ActivationCompression(print_table="some")

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from lightning_acgc.codecs.base import Codec, Packed
-from lightning_acgc.engine.ledger import Ledger, storage_ref
 from lightning_acgc.codecs.mask import MaskCodec, MaskConfig
+from lightning_acgc.engine.ledger import Ledger, storage_ref
 from lightning_acgc.engine.meter import CompressionStats, SiteRecord
 from lightning_acgc.engine.sites import ModuleTracker, SiteInfo, is_leaf_parameter
 

@@ -72,8 +72,7 @@ class CompressionStats:
         can give (it leaves out the rest of storages of which only a slice was saved,
         which :attr:`ratio` counts)."""
         tensors = sum(
-            r.packed_bytes if r.codec in RAW_CODECS else r.tensor_bytes
-            for r in self.sites.values()
+            r.packed_bytes if r.codec in RAW_CODECS else r.tensor_bytes for r in self.sites.values()
         )
         return tensors / self.packed_bytes if self.packed_bytes else 1.0
 
