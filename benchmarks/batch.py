@@ -39,7 +39,7 @@ from benchmarks._harness import (
     setup_threads,
 )
 from lightning_acgc import ActivationCompression, CompressedBatchSizeFinder
-from lightning_acgc.lightning.batch_size import static_memory_bytes
+from lightning_acgc.lightning.memory import static_memory_bytes
 
 # the GNN recipe has no batch dimension
 MODELS = {"quick": ("resnet", "bert"), "full": ("resnet18", "bert_mini")}

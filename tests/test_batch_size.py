@@ -14,13 +14,10 @@ from torch import nn
 
 from lightning_acgc.codecs import CodecSpec
 from lightning_acgc.engine import ActivationCompressor, MemoryBudgetError
-from lightning_acgc.lightning.batch_size import (
-    CompressedBatchSizeFinder,
-    lr_factor,
-    parse_memory,
-    static_memory_bytes,
-)
+from lightning_acgc.lightning.batch_search import search_sizes
+from lightning_acgc.lightning.batch_size import CompressedBatchSizeFinder, lr_factor
 from lightning_acgc.lightning.callback import ActivationCompression
+from lightning_acgc.lightning.memory import parse_memory, static_memory_bytes
 from lightning_acgc.lightning.strategy import ACGCStrategy
 from lightning_acgc.policies import build_policy
 
@@ -128,13 +125,15 @@ def test_compressed_search_finds_a_batch_8x_larger(tmp_path: Path) -> None:
     assert model.batch_size == found and trainer.train_dataloader.batch_size == found
     assert model.batch_sizes_seen[-2:] == [found, found]
     assert cb.stats.peak_live_bytes + cb.engine.budget_base <= parse_memory(BUDGET)
-    # the learning rate followed the batch size, and everything was logged
-    assert finder.lr_factor == found / 2
-    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.01 * found / 2)
+    # the learning rate followed the batch size up to max_lr_factor, and everything
+    # was logged
+    factor = min(found / 2, finder.max_lr_factor)
+    assert finder.lr_factor == factor and finder.lr_factor_wanted == found / 2
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.01 * factor)
     metrics = trainer.callback_metrics
     assert metrics["acgc/batch_size"] == found
     assert metrics["acgc/batch_size_uncompressed"] == plain
-    assert metrics["acgc/lr_factor"] == pytest.approx(found / 2)
+    assert metrics["acgc/lr_factor"] == pytest.approx(factor)
     assert not list(tmp_path.glob(".scale_batch_size_*"))
 
 
@@ -181,3 +180,112 @@ def test_without_search_nothing_changes(tmp_path: Path) -> None:
     assert trainer.optimizers[0].param_groups[0]["lr"] == 0.01
     assert "acgc/batch_size" not in trainer.callback_metrics
     assert not list(tmp_path.iterdir())
+
+
+# -- the size search (pure) and its regressions -------------------------------------
+def _sizes(limit: int | None, **options: object) -> tuple[object, list[int]]:
+    tried: list[int] = []
+
+    def fits(n: int) -> bool:
+        tried.append(n)
+        return limit is None or n <= limit
+
+    kwargs = dict(mode="binsearch", init_val=2, max_val=8192, max_trials=25, margin=0.05)
+    kwargs.update(options)
+    return search_sizes(fits, **kwargs), tried  # type: ignore[arg-type]
+
+
+def test_search_sizes_margin_is_applied_once_and_only_after_a_failure() -> None:
+    result, tried = _sizes(100)
+    assert result.largest_fit == 100 and result.failed == 101 and result.size == 95
+    assert tried[:7] == [2, 4, 8, 16, 32, 64, 128]
+    # limited by max_val, never failed: no margin, and max_val itself was tried
+    result, tried = _sizes(None, max_val=179)
+    assert result.size == result.largest_fit == 179 and result.limit == 179
+    assert tried[-1] == 179
+    # power mode keeps the last size that fitted
+    result, _ = _sizes(100, mode="power")
+    assert result.size == 64
+
+
+def test_search_sizes_stops_at_the_cap_after_a_failure_there() -> None:
+    """The hang: failing at the data set's size retried that size forever."""
+    result, tried = _sizes(300, max_val=512)
+    assert result.largest_fit == 300 and result.size == 285
+    assert len(tried) <= 20 and tried.count(512) == 1
+
+
+def test_search_sizes_goes_below_init_val_and_fails_clearly() -> None:
+    result, tried = _sizes(3, init_val=16)
+    assert result.largest_fit == 3 and tried[:3] == [16, 8, 4]
+    with pytest.raises(RuntimeError, match="batch size 1 does not fit"):
+        _sizes(0)
+
+
+class WideCNN(TinyCNN):
+    """Wider than TinyCNN, so that under the budget the uncompressed search fails trials
+    (and leaves the bytes of those failed steps behind, before the ledger was exact)."""
+
+    def __init__(self, samples: int = 4096) -> None:
+        super().__init__(batch_size=2, samples=samples, lr=0.01)
+        self.net[0] = nn.Conv2d(3, 32, 3, padding=1)
+        self.net[2] = nn.Conv2d(32, 16, 3, padding=1, stride=2)
+
+
+def _found(tmp_path: Path, compare: bool, budget: str = "2MB") -> CompressedBatchSizeFinder:
+    finder = CompressedBatchSizeFinder("binsearch", steps_per_trial=1, compare_uncompressed=compare)
+    cb = ActivationCompression(
+        codec="quant", bits=2, scale_batch_size=finder, memory_budget=budget, print_table=False
+    )
+    fit(WideCNN(), [cb], max_steps=1, default_root_dir=str(tmp_path))
+    assert cb.stats is not None and cb.stats.live_bytes == 0
+    return finder
+
+
+@pytest.mark.slow
+def test_compare_mode_finds_what_the_compressed_search_finds_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    both, alone = _found(tmp_path, True), _found(tmp_path, False)
+    assert both.uncompressed_batch_size is not None and both.uncompressed_batch_size >= 2
+    assert both.compressed_batch_size == alone.compressed_batch_size
+    assert both.compressed_batch_size > 4 * both.uncompressed_batch_size
+    assert not list(tmp_path.rglob("*.ckpt"))  # nothing left behind
+
+
+@pytest.mark.slow
+def test_search_stops_at_the_data_set_without_hanging(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """policy='acgc', binsearch, 20MB on 512 samples used to loop forever on
+    'The batch size 512 is greater or equal than the length of your dataset'."""
+    finder = CompressedBatchSizeFinder("binsearch", steps_per_trial=1)
+    cb = ActivationCompression(
+        policy="acgc", scale_batch_size=finder, memory_budget="20MB", print_table=False
+    )
+    model = TinyCNN(batch_size=2, samples=512)
+    with caplog.at_level("INFO"):
+        fit(model, [cb], max_steps=1, default_root_dir=str(tmp_path))
+    assert finder.compressed_batch_size == finder.uncompressed_batch_size == 512 // 8
+    assert model.batch_size == 64
+    note = "the data set (512 samples) limits the batch to 64"
+    assert any(note in r.message for r in caplog.records)
+
+
+def test_search_on_cpu_without_budget_refuses(tmp_path: Path) -> None:
+    cb = ActivationCompression(codec="quant", bits=2, scale_batch_size="binsearch")
+    with pytest.raises(ValueError, match="scale_batch_size on CPU needs memory_budget"):
+        fit(TinyCNN(samples=64), [cb], max_steps=1, default_root_dir=str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"max_lr_factor": 0.5}, "max_lr_factor=0.5"),
+        ({"min_steps_per_epoch": 0}, "min_steps_per_epoch=0"),
+    ],
+)
+def test_finder_rejects_bad_bounds(options: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        CompressedBatchSizeFinder("binsearch", **options)

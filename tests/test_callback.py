@@ -212,8 +212,8 @@ def test_off_and_identity_train_bit_identically(kwargs: dict) -> None:
     _assert_same_weights(plain, model)
     if kwargs.get("policy") == "off":
         assert cb.engine is None and "acgc/ratio" not in trainer.callback_metrics
-    else:
-        assert cb.stats.tensors_packed > 0
+    else:  # identity: the control, every tensor counted and kept as it is
+        assert cb.stats.sites and cb.stats.ratio == 1.0
 
 
 def test_validation_is_not_compressed() -> None:

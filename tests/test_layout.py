@@ -72,11 +72,11 @@ def test_unpack_restores_size_stride_dtype(codec: str, view: str) -> None:
 
 def test_expanded_tensor_is_encoded_once() -> None:
     """An expanded view is packed as its distinct values, not its expanded size."""
-    t = torch.randn(64, 1).expand(64, 4096)
-    engine = _engine({"codec": "identity"})
+    t = torch.randn(4096, 1).expand(4096, 64)
+    engine = _engine({"codec": "quant", "bits": 8})
     engine.new_step(0)
     saved = engine._pack(t)
-    assert saved.packed.shape == (64, 1)
+    assert saved.packed.shape == (4096, 1)
     assert engine._unpack(saved).stride() == (1, 0)
 
 
@@ -121,7 +121,7 @@ def test_channels_last_cnn_backward(codec: str) -> None:
         saved = y.grad_fn._saved_input  # the second conv's input, decoded
         assert saved.is_contiguous(memory_format=torch.channels_last)
         y.square().mean().backward()
-    assert stats.tensors_packed > 0
+    assert stats.tensors_packed > 0 or codec == "identity"  # identity keeps tensors raw
     got = torch.cat([p.grad.flatten() for p in net.parameters()])
     want = torch.cat([g.flatten() for g in exact])
     if codec == "identity":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import warnings
 import weakref
 import zlib
@@ -12,10 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_acgc.codecs.base import Codec, Packed, span_nbytes
+from lightning_acgc.codecs.base import Codec, Packed
 from lightning_acgc.codecs.intpack import IntPackCodec, IntPackConfig
 from lightning_acgc.codecs.mask import MaskCodec, MaskConfig
 from lightning_acgc.engine.layout import Layout, compact, restore
+from lightning_acgc.engine.ledger import Ledger, storage_ref
 from lightning_acgc.engine.meter import CompressionStats, SiteRecord
 from lightning_acgc.engine.policy import Policy
 from lightning_acgc.engine.settings import EngineSettings
@@ -44,13 +46,11 @@ def _mix(*values: int) -> int:
     return h & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def _anchor(t: torch.Tensor) -> torch.Tensor:
-    """What keeps ``t``'s memory alive: the tensor it is a view of, or itself."""
-    return t._base if t._base is not None else t
-
-
 class _Saved:
-    """What autograd holds instead of a compressed tensor.
+    """What autograd holds instead of a saved tensor: its packed form, or the tensor
+    itself (``raw``, detached: returning a saved output with its ``grad_fn`` would make
+    a reference cycle through autograd's C++ graph that no garbage collection frees).
+    The ledger charges it when made and releases it when autograd drops it.
 
     A tensor saved by several ops (a ReLU output that is also the next conv's input) is
     packed once and handed out ``pending`` times; backward decodes it once and keeps the
@@ -59,17 +59,40 @@ class _Saved:
     (``layout``; see :mod:`lightning_acgc.engine.layout`).
     """
 
-    __slots__ = ("__weakref__", "codec", "decoded", "layout", "packed", "pending", "site")
+    __slots__ = (
+        "__weakref__",
+        "codec",
+        "decoded",
+        "layout",
+        "name",
+        "packed",
+        "pending",
+        "raw",
+        "site",
+    )
 
-    def __init__(self, packed: Packed, codec: Codec, site: str, layout: Layout | None) -> None:
+    def __init__(
+        self,
+        packed: Packed | None,
+        codec: Codec | None,
+        site: str,
+        name: str,
+        raw: torch.Tensor | None = None,
+        layout: Layout | None = None,
+    ) -> None:
         self.packed = packed
         self.codec = codec
+        self.raw: torch.Tensor | None = raw
+        self.name = name
         self.site = site
         self.layout = layout
         self.pending = 1
         self.decoded: torch.Tensor | None = None
 
     def unpack(self) -> torch.Tensor:
+        if self.raw is not None:
+            return self.raw
+        assert self.codec is not None and self.packed is not None
         out = self.decoded
         if out is None:
             out = restore(self.codec.decode(self.packed), self.layout)
@@ -123,8 +146,8 @@ class ActivationCompressor:
         self._mask_codec = MaskCodec(MaskConfig())
         self._int_codec = IntPackCodec(IntPackConfig())  # integers: lossless
         self._resident: set[int] = set()
-        self._dedup: dict[tuple, tuple[weakref.ReferenceType, weakref.ReferenceType]] = {}
-        self._views: dict[tuple, weakref.ReferenceType] = {}
+        self._ledger = Ledger(self.stats, self._check_budget)
+        self._dedup: dict[tuple, tuple[Any, weakref.ReferenceType]] = {}
         self._site_hash: dict[str, int] = {}
         self._warned: set[str] = set()
         self._paused = 0
@@ -145,7 +168,7 @@ class ActivationCompressor:
         """Remove every hook this object registered and forget per-step state."""
         self.tracker.remove()
         self._dedup.clear()
-        self._views.clear()
+        self._ledger.new_step()
         self._installed = False
 
     @property
@@ -153,12 +176,17 @@ class ActivationCompressor:
         return self._installed
 
     def new_step(self, step: int | None = None) -> None:
-        """Start counting a new step (sites are numbered per step)."""
+        """Start counting a new step (sites are numbered per step). Bytes still live
+        from earlier steps stay charged while autograd holds them; under a memory
+        budget, graphs kept only by reference cycles (a step that raised) are collected
+        first, so they do not count against this step."""
+        if self.stats.live_bytes and self.memory_budget is not None:
+            gc.collect()
         self.step = self.step + 1 if step is None else step
         self.stats.reset()
         self.tracker.new_step()
         self._dedup.clear()
-        self._views.clear()
+        self._ledger.new_step()
         if self.packed_log is not None:
             self.packed_log.clear()
 
@@ -184,16 +212,6 @@ class ActivationCompressor:
             h = self._site_hash[site.key] = zlib.crc32(site.key.encode())
         return _mix(self.seed, self.step, h)
 
-    def _count_view(self, t: torch.Tensor, key: tuple) -> int:
-        """Raw bytes newly brought in by the view ``t`` (0 if this view was counted)."""
-        ref = self._views.get(key)
-        if ref is not None and ref() is not None:
-            return 0
-        self._views[key] = weakref.ref(_anchor(t))
-        nbytes = span_nbytes(t)
-        self.stats.saved_bytes += nbytes
-        return nbytes
-
     def _record(
         self, site: SiteInfo, t: torch.Tensor, codec: str, settings: str, raw: int, kept: int
     ) -> None:
@@ -210,12 +228,11 @@ class ActivationCompressor:
             )
         rec.raw_bytes += raw
         rec.packed_bytes += kept
+        if kept:
+            rec.tensor_bytes += t.numel() * t.element_size()
         rec.count += 1
 
-    def _release(self, nbytes: int) -> None:
-        self.stats.live_bytes -= nbytes
-
-    def _charge(self, nbytes: int) -> None:
+    def _check_budget(self, nbytes: int) -> None:
         if self.memory_budget is not None:
             need = self.budget_base + self.stats.live_bytes + nbytes
             if need > self.memory_budget:
@@ -224,16 +241,18 @@ class ActivationCompressor:
                     f"would be exceeded ({need} bytes: {self.stats.live_bytes} live saved, "
                     f"{nbytes} new, {self.budget_base} model and optimizer)"
                 )
-        self.stats.add_live(nbytes)
 
-    def _keep(self, site: SiteInfo, t: torch.Tensor, raw: int, why: str) -> torch.Tensor:
+    def _keep(
+        self, site: SiteInfo, t: torch.Tensor, key: tuple, raw: int, why: str, name: str = "kept"
+    ) -> _Saved:
+        """Hold ``t`` as it is; its storage is charged once however many views are kept."""
+        saved = _Saved(None, None, site.key, name, raw=t.detach())
+        kept = self._ledger.hold_raw(saved, t)
         self.stats.tensors_kept += 1
-        self.stats.packed_bytes += raw
-        if raw:
-            self._charge(raw)
-            weakref.finalize(t, self._release, raw)
-        self._record(site, t, "kept", why, raw, raw)
-        return t
+        self.stats.packed_bytes += kept
+        self._dedup[key] = (storage_ref(t), weakref.ref(saved))
+        self._record(site, t, name, why, raw, kept)
+        return saved
 
     def _pack(self, t: torch.Tensor) -> Any:
         if self._paused or t.layout != torch.strided or t.device.type == "meta":
@@ -243,41 +262,44 @@ class ActivationCompressor:
         if self._resident and t.untyped_storage().data_ptr() in self._resident:
             return t
         site = self.tracker.next_site()
+        # The storage's identity (kept from reuse by the weak reference in ``_dedup``)
+        # and the view: a Linear on a 3-D input saves a fresh 2-D view each call, so the
+        # q, k and v projections of one hidden state share one holder.
         key = (
-            t.untyped_storage().data_ptr(),
+            storage_ref(t).cdata,
             t.storage_offset(),
             tuple(t.shape),
             t.stride(),
             t.dtype,
             t._version,
         )
-        raw = self._count_view(t, key)
-        # A tensor already packed this step is shared, whatever this site would choose.
-        # A hit needs the first saved tensor (or the tensor it is a view of) alive: dead
-        # memory may already hold another tensor of the same shape at the same address.
-        # (Linear on a 3-D input saves a fresh 2-D view each call: q, k and v projections
-        # of one hidden state share it only through the base.)
+        raw = self._ledger.count_saved(t)
+        # A tensor already taken this step is shared, whatever this site would choose.
         refs = self._dedup.get(key)
-        saved = refs[1]() if refs is not None and refs[0]() is not None else None
+        saved = refs[1]() if refs is not None else None
         if saved is not None:
-            self._record(site, t, saved.codec.name, f"shared with {saved.site}", 0, 0)
+            self._record(site, t, saved.name, f"shared with {saved.site}", 0, 0)
             self.stats.sites[site.key].shared_with = saved.site
             saved.pending += 1
             return saved
+        if not t.is_floating_point() and getattr(self.policy, "control", False):
+            return self._keep(site, t, key, raw, "control")  # identity: nothing compressed
         if t.dtype == torch.bool:
             if not self.compress_masks or t.numel() < self.min_numel:
-                return self._keep(site, t, raw, "bool")
+                return self._keep(site, t, key, raw, "bool")
             codec = self._mask_codec
         elif not t.is_floating_point():
             if t.numel() < self.min_numel:
-                return self._keep(site, t, raw, "tiny")
+                return self._keep(site, t, key, raw, "tiny")
             codec = self._int_codec
         elif t.numel() < self.min_numel:
-            return self._keep(site, t, raw, "tiny")
+            return self._keep(site, t, key, raw, "tiny")
         else:
             codec = self.policy.codec_for(site, t)
             if codec is None:
-                return self._keep(site, t, raw, "policy")
+                return self._keep(site, t, key, raw, "policy")
+            if codec.name == "identity":
+                return self._keep(site, t, key, raw, "raw", name="identity")
         part, layout = compact(t.detach())
         try:
             packed = codec.encode(part, self._seed_for(site))
@@ -292,14 +314,15 @@ class ActivationCompressor:
                 )
             packed = None
         if packed is None:
-            return self._keep(site, t, raw, f"{codec.name} declined")
+            return self._keep(site, t, key, raw, f"{codec.name} declined")
         nbytes = packed.nbytes
-        self._charge(nbytes)
+        if nbytes >= part.numel() * part.element_size():
+            return self._keep(site, t, key, raw, f"{codec.name} not smaller")
+        saved = _Saved(packed, codec, site.key, codec.name, layout=layout)
+        self._ledger.hold_packed(saved, nbytes)
         self.stats.tensors_packed += 1
         self.stats.packed_bytes += nbytes
-        saved = _Saved(packed, codec, site.key, layout)
-        weakref.finalize(saved, self._release, nbytes)
-        self._dedup[key] = (weakref.ref(_anchor(t)), weakref.ref(saved))
+        self._dedup[key] = (storage_ref(t), weakref.ref(saved))
         fixed = {id(self._mask_codec): "1 bit", id(self._int_codec): "lossless"}
         settings = fixed.get(id(codec)) or self.policy.describe(codec)
         self._record(site, t, codec.name, settings, raw, nbytes)

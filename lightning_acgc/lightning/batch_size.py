@@ -15,7 +15,16 @@ compressed memory:
 3. The search runs with the real policy; the model's ``batch_size`` attribute and the
    dataloaders end at the size found.
 4. The learning rate follows ``lr_scaling`` (``"linear"``: × new/old batch, ``"sqrt"``:
-   × √(new/old)), for optimizers and the base rates of schedulers.
+   × √(new/old)), for optimizers and the base rates of schedulers, with the factor
+   bounded by ``max_lr_factor`` (8 by default; the log line says when it was capped).
+
+Both searches start from ``init_val`` and try sizes up to ``max_val`` and up to the data
+set's size divided by ``min_steps_per_epoch`` (8 by default, so an epoch keeps at least
+8 steps); when that cap, not memory, stops the search, one log line says so. The
+``binsearch`` margin is applied once, and only when a size failed. The search's
+checkpoint goes to a temporary directory, never the working directory. On CPU nothing
+runs out of memory, so a search there needs ``memory_budget`` (``ValueError`` at fit
+start otherwise).
 
 The tuner empties ``trainer.callbacks`` during its trials; compression stays active
 because it is entered around ``Strategy.training_step`` (see ``strategy.py``), not by
@@ -29,123 +38,31 @@ optimizer state (:func:`static_memory_bytes`).
 from __future__ import annotations
 
 import math
-import re
-from typing import Any
 
-import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import BatchSizeFinder
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.parsing import lightning_getattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import nn
 from typing_extensions import override
 
 from lightning_acgc.codecs import CodecSpec
 from lightning_acgc.engine.compressor import ActivationCompressor
+from lightning_acgc.lightning.batch_search import (
+    SearchResult,
+    TrialRunner,
+    dataset_length,
+    search_sizes,
+)
 
 __all__ = [
     "LR_SCALINGS",
     "CompressedBatchSizeFinder",
     "lr_factor",
-    "parse_memory",
     "scale_learning_rates",
-    "static_memory_bytes",
 ]
 
 LR_SCALINGS = ("linear", "sqrt")
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_MEMORY = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
-
-
-def parse_memory(value: int | str | None, name: str = "memory_budget") -> int | None:
-    """Bytes from an int or a text such as ``"2GB"`` (10⁹) or ``"512MiB"`` (2²⁰).
-
-    Raises:
-        ValueError: not a positive int, or text without a known unit
-            (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB).
-
-    Example:
-        >>> parse_memory("2GB"), parse_memory("1.5 KiB"), parse_memory(4096), parse_memory(None)
-        (2000000000, 1536, 4096, None)
-    """
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise ValueError(f"{name}={value!r} must be a number of bytes or a text like '2GB'")
-    if isinstance(value, int):
-        if value <= 0:
-            raise ValueError(f"{name}={value!r} must be > 0 bytes")
-        return value
-    if isinstance(value, str):
-        match = _MEMORY.match(value)
-        unit = match.group(2).lower() if match else None
-        if match and unit in _UNITS:
-            nbytes = int(float(match.group(1)) * _UNITS[unit])
-            if nbytes > 0:
-                return nbytes
-    raise ValueError(
-        f"{name}={value!r} must be a positive int of bytes or a text like '2GB' or '512MiB' "
-        "(units: B, KB, MB, GB, TB = powers of 1000; KiB, MiB, GiB, TiB = powers of 1024)"
-    )
-
-
-def _tensor_bytes(tensors: Any) -> int:
-    seen: set[tuple[int, int]] = set()
-    total = 0
-    for t in tensors:
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-            continue
-        key = (t.untyped_storage().data_ptr(), t.storage_offset())
-        if key in seen:
-            continue
-        seen.add(key)
-        total += t.numel() * t.element_size()
-    return total
-
-
-def _optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the optimizer's state; estimated from its type before the first step."""
-    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    if state and sum(t.numel() for t in state) >= sum(p.numel() for p in params):
-        return _tensor_bytes(state)
-    name = type(optimizer).__name__
-    defaults = optimizer.defaults
-    if name in ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adadelta"):
-        per_param = 2 + int(bool(defaults.get("amsgrad", False)))
-    elif name == "RMSprop":
-        per_param = 1 + int(defaults.get("momentum", 0) > 0) + int(bool(defaults.get("centered")))
-    elif name in ("SGD", "Adagrad"):
-        per_param = int(name == "Adagrad" or defaults.get("momentum", 0) > 0)
-    else:
-        per_param = 0
-    return per_param * _tensor_bytes(params)
-
-
-def static_memory_bytes(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> int:
-    """Bytes besides activations held during a step: parameters, buffers, gradients and
-    optimizer state (estimated from the optimizer's type before its first step).
-
-    Example:
-        >>> model = nn.Linear(10, 10)  # 110 parameters of 4 bytes
-        >>> static_memory_bytes(model, [torch.optim.Adam(model.parameters())])
-        1760
-    """
-    resident = _tensor_bytes([*module.parameters(), *module.buffers()])
-    grads = _tensor_bytes([p for p in module.parameters() if p.requires_grad])
-    return resident + grads + sum(_optimizer_state_bytes(o) for o in optimizers)
 
 
 def lr_factor(old: int, new: int, scaling: str) -> float:
@@ -195,10 +112,13 @@ class CompressedBatchSizeFinder(BatchSizeFinder):
             changed batch size.
         compare_uncompressed: also search with the ``identity`` codec under the same
             budget and report that size (:attr:`uncompressed_batch_size`).
+        max_lr_factor: bound of the learning-rate factor (and of its inverse).
+        min_steps_per_epoch: the batch stays at most the data set's size divided by
+            this, so an epoch keeps this many steps.
 
     Raises:
-        ValueError: unknown ``mode`` or ``lr_scaling``, ``margin`` outside [0, 1), or a
-            non-positive count.
+        ValueError: unknown ``mode`` or ``lr_scaling``, ``margin`` outside [0, 1), a
+            non-positive count, or ``max_lr_factor`` < 1.
 
     Example:
         >>> finder = CompressedBatchSizeFinder("binsearch", steps_per_trial=1, lr_scaling="sqrt")
@@ -218,6 +138,8 @@ class CompressedBatchSizeFinder(BatchSizeFinder):
         max_val: int = 8192,
         lr_scaling: str | None = None,
         compare_uncompressed: bool = True,
+        max_lr_factor: float = 8.0,
+        min_steps_per_epoch: int = 8,
     ) -> None:
         if not isinstance(mode, str) or mode.lower() not in self.SUPPORTED_MODES:
             raise ValueError(f"mode={mode!r} is unknown; allowed values: {self.SUPPORTED_MODES}")
@@ -226,9 +148,14 @@ class CompressedBatchSizeFinder(BatchSizeFinder):
             ("init_val", init_val),
             ("max_trials", max_trials),
             ("max_val", max_val),
+            ("min_steps_per_epoch", min_steps_per_epoch),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if isinstance(max_lr_factor, bool) or not isinstance(max_lr_factor, (int, float)):
+            raise ValueError(f"max_lr_factor={max_lr_factor!r} must be a number >= 1")
+        if not max_lr_factor >= 1.0:
+            raise ValueError(f"max_lr_factor={max_lr_factor!r} must be a number >= 1")
         if not 0.0 <= margin < 1.0:
             raise ValueError(f"margin={margin!r} must be in [0, 1)")
         if lr_scaling is not None and lr_scaling not in LR_SCALINGS:
@@ -249,7 +176,11 @@ class CompressedBatchSizeFinder(BatchSizeFinder):
         self.initial_batch_size: int | None = None
         self.compressed_batch_size: int | None = None
         self.uncompressed_batch_size: int | None = None
+        self.max_lr_factor = float(max_lr_factor)
+        self.min_steps_per_epoch = min_steps_per_epoch
         self.lr_factor = 1.0
+        self.lr_factor_wanted = 1.0
+        self.limit_note: str | None = None
         self._owned = False
 
     @property
@@ -283,29 +214,63 @@ class CompressedBatchSizeFinder(BatchSizeFinder):
     def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         return None
 
+    def _cap(self, trainer: Trainer) -> tuple[int, str]:
+        """The largest size to try, and what sets it."""
+        n = dataset_length(trainer)
+        if n is not None and n // self.min_steps_per_epoch < self._max_val:
+            cap = max(1, n // self.min_steps_per_epoch)
+            return cap, (
+                f"the data set ({n} samples) limits the batch to {cap} "
+                f"(min_steps_per_epoch={self.min_steps_per_epoch} steps an epoch), not memory"
+            )
+        return self._max_val, f"max_val={self._max_val} limits the batch, not memory"
+
+    def _run(self, trainer: Trainer, cap: int) -> SearchResult:
+        runner = TrialRunner(trainer, self._batch_arg_name, self._steps_per_trial)
+        return runner.run(
+            lambda fits: search_sizes(
+                fits,
+                mode=self._mode,
+                init_val=self._init_val,
+                max_val=cap,
+                max_trials=self._max_trials,
+                margin=self._margin,
+            )
+        )
+
     def search(
         self, trainer: Trainer, pl_module: LightningModule, engine: ActivationCompressor
     ) -> int | None:
-        """Run Lightning's search (twice with ``compare_uncompressed``) and scale the
-        learning rate; returns the batch size found with compression."""
+        """Search (twice with ``compare_uncompressed``) and scale the learning rate;
+        returns the batch size found with compression.
+
+        Raises:
+            ValueError: on CPU without ``memory_budget`` (nothing would stop the search).
+        """
         from lightning_acgc.policies.fixed import FixedPolicy
 
+        if engine.memory_budget is None and trainer.strategy.root_device.type == "cpu":
+            raise ValueError(
+                "scale_batch_size on CPU needs memory_budget (e.g. memory_budget='2GB'): "
+                "nothing runs out of memory on CPU, so no trial would ever fail"
+            )
         self.initial_batch_size = lightning_getattr(pl_module, self._batch_arg_name)
+        cap, why = self._cap(trainer)
         if self.compare_uncompressed:
             policy = engine.policy
             engine.policy = FixedPolicy(CodecSpec("identity"))
             try:
-                self.scale_batch_size(trainer, pl_module)
+                self.uncompressed_batch_size = self._run(trainer, cap).size
             finally:
                 engine.policy = policy
-            self.uncompressed_batch_size = self.optimal_batch_size
-        self.scale_batch_size(trainer, pl_module)
-        self.compressed_batch_size = found = self.optimal_batch_size
-        if found is None:  # the tuner skipped (fast_dev_run)
-            return None
+        result = self._run(trainer, cap)
+        self.compressed_batch_size = self.optimal_batch_size = found = result.size
+        self.limit_note = why if result.limit is not None else None
         initial = self.initial_batch_size
         if self.lr_scaling is not None and initial and found != initial:
-            self.lr_factor = lr_factor(initial, found, self.lr_scaling)
+            self.lr_factor_wanted = lr_factor(initial, found, self.lr_scaling)
+            bound = self.max_lr_factor
+            self.lr_factor = min(max(self.lr_factor_wanted, 1.0 / bound), bound)
             scale_learning_rates(trainer, self.lr_factor)
         rank_zero_info(self.report())
         metrics = self.metrics()
@@ -332,5 +297,10 @@ class CompressedBatchSizeFinder(BatchSizeFinder):
         if self.uncompressed_batch_size is not None:
             text += f" ({self.uncompressed_batch_size} without)"
         if self.lr_scaling is not None:
-            text += f"; learning rate x{self.lr_factor:.4g} ({self.lr_scaling} scaling)"
+            text += f"; learning rate x{self.lr_factor:.4g} ({self.lr_scaling} scaling"
+            if self.lr_factor != self.lr_factor_wanted:
+                text += f", capped at max_lr_factor={self.max_lr_factor:g}"
+            text += ")"
+        if self.limit_note is not None:
+            text += f"; {self.limit_note}"
         return text

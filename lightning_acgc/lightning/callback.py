@@ -49,8 +49,9 @@ from typing_extensions import override
 
 from lightning_acgc.engine.meter import CompressionStats
 from lightning_acgc.engine.settings import EngineSettings
-from lightning_acgc.lightning.batch_size import CompressedBatchSizeFinder, parse_memory
+from lightning_acgc.lightning.batch_size import CompressedBatchSizeFinder
 from lightning_acgc.lightning.driver import CalibrationDriver
+from lightning_acgc.lightning.memory import parse_memory
 from lightning_acgc.lightning.options import codec_text, make_policy, policy_text
 from lightning_acgc.policies import OffPolicy, Policy
 
@@ -78,9 +79,10 @@ class ActivationCompression(Callback):
         seed: base seed of the codecs' random numbers (never the global RNG).
         compress_masks: bool tensors (dropout masks) go to the lossless ``mask`` codec.
         strict: re-raise codec errors instead of keeping the tensor uncompressed.
-        print_table: print the per-site table at fit end (rank zero).
+        print_table: print the per-site table at fit end (rank zero): ``True`` the
+            largest sites, why tensors stayed raw and the total; ``"full"`` every site.
         scale_batch_size: ``"power"``, ``"binsearch"``, a
-            :class:`~lightning_acgc.batch_size.CompressedBatchSizeFinder`, or ``None``:
+            :class:`~lightning_acgc.lightning.batch_size.CompressedBatchSizeFinder`, or ``None``:
             raise the batch size with Lightning's tuner on fit start, with compression
             active (single process only).
         memory_budget: bytes (int) or text (``"2GB"``, ``"512MiB"``) that live saved
@@ -134,7 +136,7 @@ class ActivationCompression(Callback):
         seed: int = 0,
         compress_masks: bool = True,
         strict: bool = False,
-        print_table: bool = True,
+        print_table: bool | str = True,
         scale_batch_size: str | CompressedBatchSizeFinder | None = None,
         memory_budget: int | str | None = None,
         lr_scaling: str | None = None,
@@ -143,7 +145,9 @@ class ActivationCompression(Callback):
         _check_int("log_every_n_steps", log_every_n_steps, 1)
         self.policy = make_policy(policy, backend, options)
         self.log_every_n_steps = log_every_n_steps
-        self.print_table = bool(print_table)
+        if print_table not in (True, False, "full"):
+            raise ValueError(f"print_table={print_table!r} must be True, False or 'full'")
+        self.print_table = print_table
         self.batch_size_finder = self._make_finder(scale_batch_size, lr_scaling)
         self._driver = CalibrationDriver(
             self.policy,
@@ -223,7 +227,8 @@ class ActivationCompression(Callback):
         """The per-site table of the latest step, then the policy's site settings."""
         if self.engine is None:
             return "lightning_acgc: no training step ran"
-        lines = [f"lightning_acgc: {self.describe()} (latest step)", self.engine.stats.table()]
+        table = self.engine.stats.table(full=self.print_table == "full")
+        lines = [f"lightning_acgc: {self.describe()} (latest step)", table]
         settings = self.policy.site_settings()
         if settings:
             lines.append("policy settings:")

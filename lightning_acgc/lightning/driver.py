@@ -23,7 +23,7 @@ from lightning_acgc.lightning._loop import (
     step_loss,
     training_loss,
 )
-from lightning_acgc.lightning.batch_size import static_memory_bytes
+from lightning_acgc.lightning.memory import static_memory_bytes
 from lightning_acgc.lightning.options import policy_text
 from lightning_acgc.lightning.scope import CompressionScopeMixin, TrainingStepPatch
 from lightning_acgc.policies import Policy

@@ -32,6 +32,9 @@ class FixedPolicy(Policy):
     def __init__(self, config: CodecSpec | None = None) -> None:
         self.config = config or CodecSpec()
         self.codec = self.config.build()
+        # the identity codec is the control: the engine compresses nothing, masks and
+        # integer tensors included
+        self.control = self.codec.name == "identity"
 
     def codec_for(self, site: SiteInfo, x: torch.Tensor) -> Codec | None:
         return self.codec
