@@ -120,6 +120,6 @@ def test_engine_settings_do_not_travel_through_the_policy() -> None:
 
     cb = ActivationCompression(policy="acgc", min_numel=7, strict=True, compress_masks=False)
     assert cb.settings == EngineSettings(min_numel=7, seed=0, compress_masks=False, strict=True)
-    assert cb.policy.config == CodecSpec("bounded")
+    assert cb.policy.config == CodecSpec("quant")
     with pytest.raises(ValueError, match="min_numel=-1"):
         ActivationCompression(policy="off", min_numel=-1)

@@ -91,13 +91,13 @@ class ACGCPolicy(ACGCState, NoiseBudget, ModelCorrections, CalibratingPolicy):
             before the first calibration and for sites never seen.
         group_size: values per group of the codec.
         target: fraction of e² the modelled error aims at (0.35: measured errors near 0.6e).
-        codec: ``"quant"`` (per-tensor bit widths, stochastic rounding) or ``"bounded"``.
         layer_floor: modules whose squared gradient is below this share of ‖g‖² are
             held to e only through the global error (default: ``layer_floor``, 1e-12).
         noise_ratio: ρ > 0: compression adds at most ρ² of the batch gradient's sampling
             variance (needs the adapter to pass the batch halves' gradients).
-        config: the codec (one of ``codecs``, given as ``codec=`` when built by name) and
-            its backend; overrides ``codec``.
+        config: the codec and its backend: ``quant`` (default; per-tensor bit widths,
+            stochastic rounding) or ``bounded`` (error bounds), given as ``codec=`` when
+            built by name (``build_policy("acgc", codec="bounded")``).
 
     Example:
         >>> policy = ACGCPolicy(gradient_error=0.05, calibrate_every=50)
@@ -134,7 +134,6 @@ class ACGCPolicy(ACGCState, NoiseBudget, ModelCorrections, CalibratingPolicy):
         initial_relative_bound: float = 1e-3,
         group_size: int = 256,
         target: float | None = None,
-        codec: str = "quant",
         noise_ratio: float | None = None,
         layer_floor: float | None = None,
         config: CodecSpec | None = None,
@@ -151,8 +150,7 @@ class ACGCPolicy(ACGCState, NoiseBudget, ModelCorrections, CalibratingPolicy):
             or not (isinstance(noise_ratio, (int, float)) and noise_ratio > 0)
         ):
             raise ValueError(f"noise_ratio={noise_ratio!r} must be a number > 0 or None")
-        if config is not None:
-            codec = config.codec
+        codec = config.codec if config is not None else CODECS[0]
         if codec not in CODECS:
             raise ValueError(f"codec={codec!r} is not supported by acgc; allowed: {CODECS}")
         check_int("calibrate_every", calibrate_every, 1)
