@@ -15,10 +15,6 @@ EXCLUDED: tuple[str, ...] = ()
 # acgc helper); split it after that merge and empty this.
 OVER_LIMIT = {
     "lightning_acgc.policies.acgc",
-    # split by the kernels follow-up before this lands
-    "lightning_acgc.kernels.bounded.triton",
-    "lightning_acgc.kernels.division.triton",
-    "lightning_acgc.kernels.quant.triton",
 }
 
 
