@@ -1,4 +1,4 @@
-/* Compiled CPU path of the codec kernels (quant and mask): plain C99 + OpenMP, no torch
+/* Compiled CPU path of the codec kernels (quant, mask, bounded): plain C99 + OpenMP, no torch
  * headers. Python passes data pointers through ctypes (lightning_acgc/kernels/common/
  * cpu_lib.py builds this file with gcc on first use). Every function computes exactly what
  * its pure-torch reference computes (same float32 operations, no FMA contraction: built
@@ -189,4 +189,154 @@ void acgc_mask_pack(const uint8_t *m, int64_t n, uint8_t *out, int nthreads) {
 void acgc_mask_unpack(const uint8_t *packed, int64_t n, uint8_t *out, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t i = 0; i < n; i++) out[i] = (packed[i >> 3] >> (i & 7)) & 1;
+}
+
+/* ---- bounded (error-bounded) codec; see kernels/bounded/reference.py for the format ---- */
+
+/* Whether some float32 value of each group is an exact zero (tail groups: the first len). */
+void acgc_group_has_zero(const float *x, int64_t n, int64_t gs, uint8_t *has_zero,
+                         int nthreads) {
+    int64_t groups = (n + gs - 1) / gs;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t g = 0; g < groups; g++) {
+        const float *p = x + g * gs;
+        int64_t len = (g + 1) * gs <= n ? gs : n - g * gs;
+        int z = 0;
+        for (int64_t i = 0; i < len; i++) z |= p[i] == 0.0f;
+        has_zero[g] = (uint8_t)z;
+    }
+}
+
+#ifdef __FLT16_MAX__
+int acgc_has_f16(void) { return 1; }
+#define ROUND_F16(v) ((float)(_Float16)(v))
+#else
+int acgc_has_f16(void) { return 0; }
+#define ROUND_F16(v) (v)
+#endif
+
+/* float32 -> bfloat16 bits, round to nearest even (finite inputs). */
+static inline uint16_t bf16_bits(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* v rounded to the output kind (0 fp32, 1 fp16, 2 bf16), back in float32. */
+static inline float round_kind(float v, int kind) {
+    if (kind == 1) return ROUND_F16(v);
+    if (kind == 2) {
+        uint32_t u = (uint32_t)bf16_bits(v) << 16;
+        float r;
+        memcpy(&r, &u, 4);
+        return r;
+    }
+    return v;
+}
+
+/* The format's decode of code q (float32) in a group (lo, s = |step|, zk), before the cast:
+ * fl32(fl32(q' * s) + lo) clamped to +-top; zero-kept code 0 is +0.0. */
+static inline float bounded_value(float q, float lo, float s, int zk, float top) {
+    if (zk && q == 0.0f) return 0.0f;
+    float v = (q - (float)zk) * s;
+    v = v + lo;
+    v = v < -top ? -top : v;
+    return v > top ? top : v;
+}
+
+/* Encode: per group g of kind width[g] (0 constant, 1..16 coded, 255 raw) with lo/step from
+ * the plan, the codes round((x - lo) / |step|) (half to even; +1 in zero-kept groups, 0 at
+ * zeros) packed from byte off[g] as a little-endian bit stream; then, if check, each
+ * element's decoded value (cast to kind) compared with x: |x̂ - x| < eb32 or it violates.
+ * viol[g] counts the violators of group g among the first n elements; flags (if not NULL)
+ * gets 1 at each violator. The tail group is padded with x[n - 1]. */
+void acgc_bounded_pack(const float *x, int64_t n, int64_t gs, const uint8_t *width,
+                       const float *lo, const float *step, const int64_t *off, float eb32,
+                       float top, int kind, int check, uint8_t *codes, int32_t *viol,
+                       uint8_t *flags, int nthreads) {
+    int64_t groups = (n + gs - 1) / gs;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t g = 0; g < groups; g++) {
+        int w = width[g];
+        int64_t base = g * gs;
+        int64_t len = base + gs <= n ? gs : n - base;
+        int32_t bad = 0;
+        if (w == 255) { /* raw: decodes exactly; only a zero bound fails the check */
+            if (check && !(0.0f < eb32)) {
+                bad = (int32_t)len;
+                if (flags) memset(flags + base, 1, (size_t)len);
+            }
+            viol[g] = bad;
+            continue;
+        }
+        float l = lo[g], st = step[g];
+        int zk = signbit(st) ? 1 : 0;
+        float s = fabsf(st);
+        float div = s > 0.0f ? s : 1.0f; /* coded groups (width 0 too): |step| */
+        uint8_t *out = codes + off[g];
+        uint64_t acc = 0;
+        int nacc = 0;
+        for (int64_t i = 0; i < gs; i++) {
+            float v = i < len ? x[base + i] : x[n - 1];
+            float q = rintf((v - l) / div);
+            if (zk) q = v == 0.0f ? 0.0f : q + 1.0f;
+            if (w > 0) {
+                acc |= (uint64_t)(uint32_t)(int32_t)q << nacc;
+                nacc += w;
+                while (nacc >= 8) {
+                    *out++ = (uint8_t)acc;
+                    acc >>= 8;
+                    nacc -= 8;
+                }
+            }
+            if (check && i < len) {
+                float d = round_kind(bounded_value(q, l, s, zk, top), kind);
+                if (!(fabsf(d - v) < eb32)) {
+                    bad++;
+                    if (flags) flags[base + i] = 1;
+                }
+            }
+        }
+        viol[g] = bad;
+    }
+}
+
+/* Decode the coded and constant groups into out (G * gs values of kind: float32 or 16-bit
+ * bits); raw groups are left for the caller. */
+void acgc_bounded_unpack(const uint8_t *codes, int64_t groups, int64_t gs, const uint8_t *width,
+                         const float *lo, const float *step, const int64_t *off, float top,
+                         int kind, void *out, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t g = 0; g < groups; g++) {
+        int w = width[g];
+        if (w == 255) continue;
+        float l = lo[g], st = step[g];
+        int zk = signbit(st) ? 1 : 0;
+        float s = fabsf(st);
+        const uint8_t *src = codes + off[g];
+        uint64_t acc = 0;
+        int nacc = 0;
+        uint32_t mask = w > 0 ? (uint32_t)((1u << w) - 1u) : 0u;
+        for (int64_t i = 0; i < gs; i++) {
+            while (nacc < w) {
+                acc |= (uint64_t)(*src++) << nacc;
+                nacc += 8;
+            }
+            float q = (float)(uint32_t)(acc & mask);
+            acc >>= w;
+            nacc -= w;
+            float v = bounded_value(q, l, s, zk, top);
+            if (kind == 0) {
+                ((float *)out)[g * gs + i] = v;
+            } else if (kind == 2) {
+                ((uint16_t *)out)[g * gs + i] = bf16_bits(v);
+            } else {
+#ifdef __FLT16_MAX__
+                _Float16 h = (_Float16)v;
+                memcpy((uint16_t *)out + g * gs + i, &h, 2);
+#endif
+            }
+        }
+    }
 }
