@@ -245,6 +245,22 @@ static inline float bounded_value(float q, float lo, float s, int zk, float top)
     return v > top ? top : v;
 }
 
+/* The 8 codes of width w (1..16) held by the w bytes at src, as float32 into q[0..7]; with
+ * room (16 readable bytes at src) it loads 16 bytes, the bits past 8 * w being unused. */
+static inline void codes8(const uint8_t *src, int w, int room, float *q) {
+    uint8_t buf[16] = {0};
+    if (room)
+        memcpy(buf, src, 16);
+    else
+        memcpy(buf, src, (size_t)w);
+    uint64_t a, b;
+    memcpy(&a, buf, 8); /* little-endian hosts (x86-64, aarch64) */
+    memcpy(&b, buf + 8, 8);
+    unsigned __int128 v = ((unsigned __int128)b << 64) | a;
+    uint32_t mask = (1u << w) - 1u;
+    for (int k = 0; k < 8; k++) q[k] = (float)((uint32_t)(v >> (k * w)) & mask);
+}
+
 /* Encode: per group g of kind width[g] (0 constant, 1..16 coded, 255 raw) with lo/step from
  * the plan, the codes round((x - lo) / |step|) (half to even; +1 in zero-kept groups, 0 at
  * zeros) packed from byte off[g] as a little-endian bit stream; then, if check, each
@@ -274,27 +290,43 @@ void acgc_bounded_pack(const float *x, int64_t n, int64_t gs, const uint8_t *wid
         int zk = signbit(st) ? 1 : 0;
         float s = fabsf(st);
         float div = s > 0.0f ? s : 1.0f; /* coded groups (width 0 too): |step| */
+        float zf = (float)zk;
         uint8_t *out = codes + off[g];
         uint64_t acc = 0;
         int nacc = 0;
-        for (int64_t i = 0; i < gs; i++) {
-            float v = i < len ? x[base + i] : x[n - 1];
-            float q = rintf((v - l) / div);
-            if (zk) q = v == 0.0f ? 0.0f : q + 1.0f;
+        float q[CHUNK], xv[CHUNK];
+        for (int64_t c0 = 0; c0 < gs; c0 += CHUNK) {
+            int64_t m = gs - c0 < CHUNK ? gs - c0 : CHUNK;
+            int64_t valid = len - c0 < m ? (len - c0 > 0 ? len - c0 : 0) : m;
+            for (int64_t j = 0; j < m; j++) xv[j] = j < valid ? x[base + c0 + j] : x[n - 1];
+            for (int64_t j = 0; j < m; j++) {
+                float v = xv[j];
+                float r = rintf((v - l) / div) + zf;
+                q[j] = (zk && v == 0.0f) ? 0.0f : r;
+            }
             if (w > 0) {
-                acc |= (uint64_t)(uint32_t)(int32_t)q << nacc;
-                nacc += w;
-                while (nacc >= 8) {
-                    *out++ = (uint8_t)acc;
-                    acc >>= 8;
-                    nacc -= 8;
+                for (int64_t j = 0; j < m; j++) {
+                    acc |= (uint64_t)(uint32_t)q[j] << nacc;
+                    nacc += w;
+                    while (nacc >= 8) {
+                        *out++ = (uint8_t)acc;
+                        acc >>= 8;
+                        nacc -= 8;
+                    }
                 }
             }
-            if (check && i < len) {
-                float d = round_kind(bounded_value(q, l, s, zk, top), kind);
-                if (!(fabsf(d - v) < eb32)) {
-                    bad++;
-                    if (flags) flags[base + i] = 1;
+            if (check) {
+                int32_t cnt = 0;
+                for (int64_t j = 0; j < valid; j++) {
+                    float d = round_kind(bounded_value(q[j], l, s, zk, top), kind);
+                    cnt += !(fabsf(d - xv[j]) < eb32);
+                }
+                bad += cnt;
+                if (cnt && flags) {
+                    for (int64_t j = 0; j < valid; j++) {
+                        float d = round_kind(bounded_value(q[j], l, s, zk, top), kind);
+                        if (!(fabsf(d - xv[j]) < eb32)) flags[base + c0 + j] = 1;
+                    }
                 }
             }
         }
@@ -315,26 +347,30 @@ void acgc_bounded_unpack(const uint8_t *codes, int64_t groups, int64_t gs, const
         int zk = signbit(st) ? 1 : 0;
         float s = fabsf(st);
         const uint8_t *src = codes + off[g];
-        uint64_t acc = 0;
-        int nacc = 0;
-        uint32_t mask = w > 0 ? (uint32_t)((1u << w) - 1u) : 0u;
-        for (int64_t i = 0; i < gs; i++) {
-            while (nacc < w) {
-                acc |= (uint64_t)(*src++) << nacc;
-                nacc += 8;
+        float v[CHUNK];
+        for (int64_t c0 = 0; c0 < gs; c0 += CHUNK) {
+            int64_t m = gs - c0 < CHUNK ? gs - c0 : CHUNK;
+            if (w == 0) {
+                for (int64_t j = 0; j < m; j++) v[j] = 0.0f;
+            } else if (w == 8) {
+                for (int64_t j = 0; j < m; j++) v[j] = (float)src[c0 + j];
+            } else {
+                int64_t end = gs / 8 * w; /* the group's bytes */
+                for (int64_t j = 0; j < m; j += 8) {
+                    int64_t at = (c0 + j) / 8 * w;
+                    codes8(src + at, w, at + 16 <= end, v + j);
+                }
             }
-            float q = (float)(uint32_t)(acc & mask);
-            acc >>= w;
-            nacc -= w;
-            float v = bounded_value(q, l, s, zk, top);
+            for (int64_t j = 0; j < m; j++) v[j] = bounded_value(v[j], l, s, zk, top);
             if (kind == 0) {
-                ((float *)out)[g * gs + i] = v;
+                memcpy((float *)out + g * gs + c0, v, (size_t)m * 4);
             } else if (kind == 2) {
-                ((uint16_t *)out)[g * gs + i] = bf16_bits(v);
+                uint16_t *o = (uint16_t *)out + g * gs + c0;
+                for (int64_t j = 0; j < m; j++) o[j] = bf16_bits(v[j]);
             } else {
 #ifdef __FLT16_MAX__
-                _Float16 h = (_Float16)v;
-                memcpy((uint16_t *)out + g * gs + i, &h, 2);
+                _Float16 *o = (_Float16 *)out + g * gs + c0;
+                for (int64_t j = 0; j < m; j++) o[j] = (_Float16)v[j];
 #endif
             }
         }
