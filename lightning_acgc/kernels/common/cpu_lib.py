@@ -40,6 +40,9 @@ _SIGNATURES = {
         None,
         [_P, _I64, _I64, _P, _P, _P, _P, _F32, _F32, _I32, _I32, _P, _P, _P, _I32],
     ),
+    "acgc_pool_last": (None, [_P, _I64, _I64, _I64, _P, _I32]),
+    "acgc_zero_pattern": (None, [_P, _I64, _P, _P, _I32]),
+    "acgc_division_finish": (None, [_P, _I64, _F32, _P, _F32, _I32]),
     "acgc_bounded_unpack": (None, [_P, _I64, _I64, _P, _P, _P, _P, _F32, _I32, _P, _I32]),
 }
 

@@ -376,3 +376,67 @@ void acgc_bounded_unpack(const uint8_t *codes, int64_t groups, int64_t gs, const
         }
     }
 }
+
+/* ---- division: pooling along the last axis, the zero pattern, the decode's last steps ---- */
+
+/* Averages of blk consecutive values along the last axis of a (rows, w) float32 array into
+ * (rows, ceil(w / blk)): each tile summed in order (0 + x0 + x1 + ...) and divided by its
+ * element count, as the reference's _pool_axis. */
+void acgc_pool_last(const float *x, int64_t rows, int64_t w, int64_t blk, float *out,
+                    int nthreads) {
+    int64_t wo = (w + blk - 1) / blk;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *p = x + r * w;
+        float *o = out + r * wo;
+        for (int64_t j = 0; j < wo; j++) {
+            int64_t cnt = (j + 1) * blk <= w ? blk : w - j * blk;
+            float s = 0.0f;
+            for (int64_t k = 0; k < cnt; k++) s = s + p[j * blk + k];
+            o[j] = s / (float)cnt;
+        }
+    }
+}
+
+/* Bit i % 8 of byte i / 8 of packed is x[i] == 0 (mask layout; tail bits 0), and *min_pos
+ * the smallest positive value (inf if none). Parallel over blocks of 8 values. */
+void acgc_zero_pattern(const float *x, int64_t n, uint8_t *packed, float *min_pos,
+                       int nthreads) {
+    int64_t nbytes = (n + 7) / 8;
+    float best = INFINITY;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float mp = INFINITY;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < nbytes; b++) {
+            int64_t i0 = 8 * b, cnt = n - i0 < 8 ? n - i0 : 8;
+            uint8_t byte = 0;
+            for (int64_t k = 0; k < cnt; k++) {
+                float v = x[i0 + k];
+                byte |= (uint8_t)((v == 0.0f) << k);
+                mp = (v > 0.0f && v < mp) ? v : mp;
+            }
+            packed[b] = byte;
+        }
+#pragma omp critical
+        best = mp < best ? mp : best;
+    }
+    *min_pos = best;
+}
+
+/* In place: out = clamp(out, -fmax, fmax); with a zero mask, max(out, min_pos) and +0.0 where
+ * the mask's bit is set. */
+void acgc_division_finish(float *out, int64_t n, float fmax, const uint8_t *zmask,
+                          float min_pos, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t i = 0; i < n; i++) {
+        float v = out[i];
+        v = v < -fmax ? -fmax : v;
+        v = v > fmax ? fmax : v;
+        if (zmask) {
+            v = v > min_pos ? v : min_pos;
+            v = (zmask[i >> 3] >> (i & 7)) & 1 ? 0.0f : v;
+        }
+        out[i] = v;
+    }
+}

@@ -118,7 +118,10 @@ def _pool_axis(t: torch.Tensor, axis: int, block: int, acc: torch.dtype) -> torc
 
 
 def division_lowpass_ref(
-    x: torch.Tensor, block: int, axes: Sequence[int] | None = None
+    x: torch.Tensor,
+    block: int,
+    axes: Sequence[int] | None = None,
+    pool_axis: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Block average pool of ``x`` over ``axes`` (default :func:`pool_axes`).
 
@@ -129,14 +132,17 @@ def division_lowpass_ref(
     Returns:
         float32 averages (float64 for a float64 input).
 
+    ``pool_axis`` replaces the one-axis pass (a compiled one computing the same bits).
+
     Raises:
         ValueError: ``block`` is not a positive integer, or ``axes`` is out of range.
     """
     axes = _check_block_axes(x.ndim, block, axes)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    one_axis = pool_axis or _pool_axis
     out = x
     for axis in reversed(axes):
-        out = _pool_axis(out, axis, block, acc)
+        out = one_axis(out, axis, block, acc)
     return out.to(acc, copy=True) if out is x else out
 
 
@@ -235,12 +241,17 @@ def _set_aside_nonfinite(
 
 class Kernels(NamedTuple):
     """The quant and mask functions a division encoder/decoder calls (reference, compiled
-    CPU or Triton), with the signatures of the references."""
+    CPU or Triton), with the signatures of the references; the optional fused steps
+    compute the same bits as the torch code they replace (None: that torch code)."""
 
     quant_encode: Callable[..., dict[str, torch.Tensor]]
     quant_decode: Callable[..., torch.Tensor]
     mask_pack: Callable[[torch.Tensor], torch.Tensor]
     mask_unpack: Callable[[torch.Tensor, int], torch.Tensor]
+    pool_axis: Callable[..., torch.Tensor] | None = None  # as _pool_axis
+    zero_pattern: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None
+    # (out, fmax, payload) -> out clamped, zero pattern applied (float32, in place)
+    finish: Callable[[torch.Tensor, float, dict[str, torch.Tensor]], torch.Tensor] | None = None
 
 
 REFERENCE_KERNELS = Kernels(quant_encode_ref, quant_decode_ref, mask_pack_ref, mask_unpack_ref)
@@ -268,7 +279,7 @@ def division_encode_with(
         xf, exc_idx, exc_val = _set_aside_nonfinite(xf, x, block, axes)
         lo, hi = torch.aminmax(xf)
 
-    low32 = division_lowpass_ref(xf, block, axes)
+    low32 = division_lowpass_ref(xf, block, axes, kernels.pool_axis)
     if not torch.isfinite(low32).all():  # float32 sums overflowed
         low32 = division_lowpass_ref(xf.double(), block, axes).float()
     low = low32.to(low_dtype)
@@ -298,7 +309,10 @@ def division_encode_with(
         "exc_val": exc_val,
     }
     if bool((lo == 0) & (hi > 0)):  # non-negative, with exact zeros: keep the zero pattern
-        payload.update(zero_pattern(x0, kernels.mask_pack))
+        if kernels.zero_pattern is not None:
+            payload.update(kernels.zero_pattern(x0))
+        else:
+            payload.update(zero_pattern(x0, kernels.mask_pack))
     return payload
 
 
@@ -335,13 +349,28 @@ def division_decode_with(
     r = kernels.quant_decode(qp, residual_bits, group_size, numel, torch.float32)
     out = _with_upsampled(r.view(shape), payload["low"].float(), block, axes, subtract=False)
     fmax = torch.finfo(dtype).max
-    out = out.clamp_(-fmax, fmax)
-    if "zero_mask" in payload:
-        zero = kernels.mask_unpack(payload["zero_mask"], numel).view(shape)
-        out = torch.maximum(out, payload["min_pos"].view(())).masked_fill_(zero, 0.0)
+    if kernels.finish is not None:
+        out = kernels.finish(out, fmax, payload)
+    else:
+        out = _finish(out, fmax, payload, kernels.mask_unpack)
     flat = out.reshape(-1).to(dtype)
     flat = restore_exceptions(flat, payload["exc_idx"], payload["exc_val"])
     return flat.view(shape)
+
+
+def _finish(
+    out: torch.Tensor,
+    fmax: float,
+    payload: dict[str, torch.Tensor],
+    mask_unpack: Callable[[torch.Tensor, int], torch.Tensor],
+) -> torch.Tensor:
+    """The decode's last steps: clamp to the dtype's range, then the zero pattern."""
+    out = out.clamp_(-fmax, fmax)
+    shape, numel = out.shape, out.numel()
+    if "zero_mask" in payload:
+        zero = mask_unpack(payload["zero_mask"], numel).view(shape)
+        out = torch.maximum(out, payload["min_pos"].view(())).masked_fill_(zero, 0.0)
+    return out
 
 
 def division_encode_ref(
