@@ -166,7 +166,7 @@ def test_engine_packs_a_shared_edge_index_once() -> None:
     decodes = []
     real = intpack_module._Source.view
 
-    def counting(self, *args):  # noqa: ANN001, ANN202
+    def counting(self, *args):
         decodes.append(self._decoded is None)
         return real(self, *args)
 
