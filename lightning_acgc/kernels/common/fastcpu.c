@@ -8,6 +8,10 @@
 #include <stdint.h>
 #include <string.h>
 
+/* Threads for a call over `work` elements: one below 32K elements, where waking the
+ * team costs more than the work (many small saved tensors, e.g. RNN steps). */
+#define THREADS(work) ((work) < 32768 ? 1 : nthreads)
+
 /* Chris Wellons' lowbias32 integer hash (also written in torch in quant/reference.py). */
 static inline uint32_t lowbias32(uint32_t x) {
     x ^= x >> 16;
@@ -25,7 +29,7 @@ int acgc_group_stats(const float *x, int64_t n, int64_t gs, float *lo, float *hi
                      float *min_pos, int nthreads) {
     int64_t groups = (n + gs - 1) / gs;
     int bad = 0;
-#pragma omp parallel for schedule(static) num_threads(nthreads) reduction(| : bad)
+#pragma omp parallel for schedule(static) num_threads(THREADS(n)) reduction(| : bad)
     for (int64_t g = 0; g < groups; g++) {
         const float *p = x + g * gs;
         int64_t len = (g + 1) * gs <= n ? gs : n - g * gs;
@@ -91,7 +95,7 @@ void acgc_quant_pack(const float *x, int64_t n, int64_t gs, int bits, const floa
     int64_t groups = (n + gs - 1) / gs;
     int per = 8 / bits;
     int64_t gbytes = gs / per;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
+#pragma omp parallel for schedule(static) num_threads(THREADS(n))
     for (int64_t g = 0; g < groups; g++) {
         float l = lo[g], iv = inv[g], tp = top[g];
         uint8_t z = zk[g];
@@ -142,7 +146,7 @@ void acgc_quant_unpack(const uint8_t *codes, int64_t n, int64_t gs, int bits, co
     int64_t groups = (n + gs - 1) / gs;
     int per = 8 / bits;
     int mask = (1 << bits) - 1;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
+#pragma omp parallel for schedule(static) num_threads(THREADS(n))
     for (int64_t g = 0; g < groups; g++) {
         float l = lo[g], st = step[g];
         int z = zk[g];
@@ -172,7 +176,7 @@ void acgc_quant_unpack(const uint8_t *codes, int64_t n, int64_t gs, int bits, co
 /* 1-bit packing of n bytes holding 0/1: bit i % 8 of byte i / 8 is element i (tail 0). */
 void acgc_mask_pack(const uint8_t *m, int64_t n, uint8_t *out, int nthreads) {
     int64_t nbytes = (n + 7) / 8, full = n / 8;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
+#pragma omp parallel for schedule(static) num_threads(THREADS(n))
     for (int64_t b = 0; b < full; b++) {
         const uint8_t *p = m + 8 * b;
         uint8_t byte = 0;
@@ -187,7 +191,7 @@ void acgc_mask_pack(const uint8_t *m, int64_t n, uint8_t *out, int nthreads) {
 }
 
 void acgc_mask_unpack(const uint8_t *packed, int64_t n, uint8_t *out, int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads)
+#pragma omp parallel for schedule(static) num_threads(THREADS(n))
     for (int64_t i = 0; i < n; i++) out[i] = (packed[i >> 3] >> (i & 7)) & 1;
 }
 
@@ -197,7 +201,7 @@ void acgc_mask_unpack(const uint8_t *packed, int64_t n, uint8_t *out, int nthrea
 void acgc_group_has_zero(const float *x, int64_t n, int64_t gs, uint8_t *has_zero,
                          int nthreads) {
     int64_t groups = (n + gs - 1) / gs;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
+#pragma omp parallel for schedule(static) num_threads(THREADS(n))
     for (int64_t g = 0; g < groups; g++) {
         const float *p = x + g * gs;
         int64_t len = (g + 1) * gs <= n ? gs : n - g * gs;
@@ -272,7 +276,7 @@ void acgc_bounded_pack(const float *x, int64_t n, int64_t gs, const uint8_t *wid
                        float top, int kind, int check, uint8_t *codes, int32_t *viol,
                        uint8_t *flags, int nthreads) {
     int64_t groups = (n + gs - 1) / gs;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
+#pragma omp parallel for schedule(static) num_threads(THREADS(n))
     for (int64_t g = 0; g < groups; g++) {
         int w = width[g];
         int64_t base = g * gs;
@@ -339,7 +343,7 @@ void acgc_bounded_pack(const float *x, int64_t n, int64_t gs, const uint8_t *wid
 void acgc_bounded_unpack(const uint8_t *codes, int64_t groups, int64_t gs, const uint8_t *width,
                          const float *lo, const float *step, const int64_t *off, float top,
                          int kind, void *out, int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads)
+#pragma omp parallel for schedule(static) num_threads(THREADS(groups * gs))
     for (int64_t g = 0; g < groups; g++) {
         int w = width[g];
         if (w == 255) continue;
@@ -385,7 +389,7 @@ void acgc_bounded_unpack(const uint8_t *codes, int64_t groups, int64_t gs, const
 void acgc_pool_last(const float *x, int64_t rows, int64_t w, int64_t blk, float *out,
                     int nthreads) {
     int64_t wo = (w + blk - 1) / blk;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
+#pragma omp parallel for schedule(static) num_threads(THREADS(rows * w))
     for (int64_t r = 0; r < rows; r++) {
         const float *p = x + r * w;
         float *o = out + r * wo;
@@ -404,7 +408,7 @@ void acgc_zero_pattern(const float *x, int64_t n, uint8_t *packed, float *min_po
                        int nthreads) {
     int64_t nbytes = (n + 7) / 8;
     float best = INFINITY;
-#pragma omp parallel num_threads(nthreads)
+#pragma omp parallel num_threads(THREADS(n))
     {
         float mp = INFINITY;
 #pragma omp for schedule(static)
@@ -428,7 +432,7 @@ void acgc_zero_pattern(const float *x, int64_t n, uint8_t *packed, float *min_po
  * the mask's bit is set. */
 void acgc_division_finish(float *out, int64_t n, float fmax, const uint8_t *zmask,
                           float min_pos, int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads)
+#pragma omp parallel for schedule(static) num_threads(THREADS(n))
     for (int64_t i = 0; i < n; i++) {
         float v = out[i];
         v = v < -fmax ? -fmax : v;
