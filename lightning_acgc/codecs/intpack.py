@@ -94,13 +94,13 @@ class IntPackCodec:
 
     def __init__(self, config: IntPackConfig) -> None:
         self.config = config
-        # storage address -> (anchor tensor, its version, the packed source), while alive
-        self._sources: dict[int, tuple[weakref.ref, int, weakref.ref]] = {}
+        # (storage address, dtype, device) -> (anchor tensor, its version, packed source)
+        self._sources: dict[tuple, tuple[weakref.ref, int, weakref.ref]] = {}
 
     def _shared(self, x: torch.Tensor) -> Packed | None:
         """A packed view of ``x``'s storage, reusing the packed copy of a live sibling."""
         anchor = _anchor(x)
-        key = x.untyped_storage().data_ptr()
+        key = (x.untyped_storage().data_ptr(), x.dtype, x.device)
         hit = self._sources.get(key)
         source = None
         if hit is not None and hit[0]() is anchor and hit[1] == anchor._version:

@@ -360,10 +360,21 @@ void acgc_bounded_unpack(const uint8_t *codes, int64_t groups, int64_t gs, const
                 for (int64_t j = 0; j < m; j++) v[j] = (float)src[c0 + j];
             } else {
                 int64_t end = gs / 8 * w; /* the group's bytes */
-                for (int64_t j = 0; j < m; j += 8) {
-                    int64_t at = (c0 + j) / 8 * w;
-                    codes8(src + at, w, at + 16 <= end, v + j);
+                /* one loop per width, so that the shifts are constants */
+#define UNPACK_W(W)                                                  \
+    case W:                                                          \
+        for (int64_t j = 0; j < m; j += 8) {                         \
+            int64_t at = (c0 + j) / 8 * (W);                         \
+            codes8(src + at, (W), at + 16 <= end, v + j);            \
+        }                                                            \
+        break;
+                switch (w) {
+                    UNPACK_W(1) UNPACK_W(2) UNPACK_W(3) UNPACK_W(4) UNPACK_W(5) UNPACK_W(6)
+                    UNPACK_W(7) UNPACK_W(9) UNPACK_W(10) UNPACK_W(11) UNPACK_W(12)
+                    UNPACK_W(13) UNPACK_W(14) UNPACK_W(15) UNPACK_W(16)
+                    default: break;
                 }
+#undef UNPACK_W
             }
             for (int64_t j = 0; j < m; j++) v[j] = bounded_value(v[j], l, s, zk, top);
             if (kind == 0) {
