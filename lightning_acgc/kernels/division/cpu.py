@@ -11,9 +11,9 @@ from collections.abc import Sequence
 import torch
 
 from lightning_acgc.kernels.common.cpu_lib import cpu_library, cpu_threads
+from lightning_acgc.kernels.division.pooling import pool_axis
 from lightning_acgc.kernels.division.reference import (
     Kernels,
-    _pool_axis,
     division_decode_with,
     division_encode_with,
 )
@@ -26,7 +26,7 @@ __all__ = ["CPU_KERNELS", "division_decode_cpu", "division_encode_cpu"]
 def _pool_axis_cpu(t: torch.Tensor, axis: int, block: int, acc: torch.dtype) -> torch.Tensor:
     """The reference's one-axis pooling; the last axis of a float32 tensor in C."""
     if axis != t.ndim - 1 or t.dtype != torch.float32 or acc != torch.float32 or t.numel() == 0:
-        return _pool_axis(t, axis, block, acc)
+        return pool_axis(t, axis, block, acc)
     src = t.contiguous()
     w = t.shape[-1]
     out = torch.empty((*t.shape[:-1], -(-w // block)), dtype=torch.float32)
