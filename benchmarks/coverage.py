@@ -11,7 +11,7 @@ by autograd / bytes kept) next to its goal:
 * ``gru``: a 2-layer GRU with per-step tensors of a few hundred elements, goal >= 4x;
 * ``embbag``: an EmbeddingBag model (token indices and offsets), goal >= 4x.
 
-    python -m benchmarks.coverage [--min-numel 1024] [--meta fp32|bf16] [--quiet]
+    python -m benchmarks.coverage [--min-numel 1024] [--meta fp32|bf16] [--top 8] [--quiet]
 """
 
 from __future__ import annotations
@@ -131,7 +131,8 @@ def _top_rows(stats: CompressionStats, top: int) -> str:
     rows = [ln for ln, r in zip(body, stats.sites.values(), strict=True) if r.key in keep]
     rest = order[top:]
     raw, packed = sum(r.raw_bytes for r in rest), sum(r.packed_bytes for r in rest)
-    summary = f"({len(rest)} more sites){'':<28} {raw / 2**20:>86.3f} {packed / 2**20:>10.3f}"
+    label = f"({len(rest)} more sites)"
+    summary = f"{label:<40} {'':<22} {'':<9} {'':<22} {raw / 2**20:>10.3f} {packed / 2**20:>10.3f}"
     return "\n".join([*head, *rows, summary, total])
 
 
@@ -150,6 +151,7 @@ def main() -> None:
     parser.add_argument("--meta", choices=["fp32", "bf16"], default=None)
     parser.add_argument("--only", nargs="*", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--quiet", action="store_true", help="no per-site tables")
+    parser.add_argument("--top", type=int, default=8, help="sites shown of long tables")
     args = parser.parse_args()
     settings: dict[str, object] = {}
     if args.min_numel is not None:
@@ -158,7 +160,7 @@ def main() -> None:
         settings["meta"] = args.meta
     result: dict[str, object] = {"benchmark": "coverage", "codec": "quant bits=2", **settings}
     for name in args.only:
-        ratio, table = measure(name, **settings)
+        ratio, table = measure(name, args.top, **settings)
         if not args.quiet:
             print(f"== {name}\n{table}\n")
         result[name] = {"ratio": round(ratio, 2), "goal": GOALS[name]}
