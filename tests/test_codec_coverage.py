@@ -15,7 +15,6 @@ def test_models_reach_their_goal(name: str) -> None:
     assert ratio >= GOALS[name], table
 
 
-@pytest.mark.slow
 def test_gnn_reaches_its_goal() -> None:
     pytest.importorskip("torch_geometric")
     ratio, table = measure("gnn")
@@ -23,7 +22,6 @@ def test_gnn_reaches_its_goal() -> None:
     assert "intpack" in table
 
 
-@pytest.mark.slow
 def test_gru_small_tensors_compressed_below_the_default_threshold() -> None:
     ratio, table = measure("gru", min_numel=256)
     assert ratio >= GOALS["gru"], table
