@@ -183,3 +183,18 @@ def test_engine_packs_a_shared_edge_index_once() -> None:
     packed = sum(s.packed_bytes for s in int_sites)
     assert packed < edge_index.numel() * 8 / 4  # both rows packed once, not per use
     assert sum(decodes) <= 2  # one decode per packed row, not per use
+
+
+def test_equal_values_in_another_storage_share_the_packed_copy() -> None:
+    """Each GCN layer recomputes the same normalized ``edge_index``: packed once."""
+    codec = build_codec("intpack", {})
+    a = torch.randint(0, 1000, (2, 4096))
+    b = a.clone()  # equal values, another storage
+    c = a.clone()
+    c[0, 5], c[0, 6] = c[0, 5] + 1, c[0, 6] - 1  # same sum, first and last: not equal
+    pa, pb, pc = (codec.encode(t, seed=0) for t in (a, b, c))
+    pb_row = codec.encode(b[1], seed=0)  # a view of the matched storage
+    assert pa.nbytes > 0 and pb.nbytes == 0 and pb_row.nbytes == 0
+    assert pc.nbytes > 0  # the exact check rejects a fingerprint collision
+    assert torch.equal(codec.decode(pb), b) and torch.equal(codec.decode(pc), c)
+    assert torch.equal(codec.decode(pb_row), b[1]) and torch.equal(codec.decode(pa), a)

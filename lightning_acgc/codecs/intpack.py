@@ -94,24 +94,50 @@ class IntPackCodec:
 
     def __init__(self, config: IntPackConfig) -> None:
         self.config = config
-        # (storage address, dtype, device) -> (anchor tensor, its version, packed source)
-        self._sources: dict[tuple, tuple[weakref.ref, int, weakref.ref]] = {}
+        # (storage address, dtype, device) -> (anchor tensor, its version, packed source,
+        # offset of this storage's element 0 in the source's storage), while alive
+        self._sources: dict[tuple, tuple[weakref.ref, int, weakref.ref, int]] = {}
+        # (dtype, device, numel, sum, first, last) of a packed span -> its source
+        self._contents: dict[tuple, weakref.ref] = {}
+
+    def _same_content(self, span: torch.Tensor) -> tuple[_Source | None, tuple]:
+        """A live source whose values equal ``span`` (an equal tensor recomputed by another
+        layer, e.g. GCN's normalized ``edge_index``), checked exactly."""
+        fp = (span.dtype, span.device, span.numel(), int(span.sum()), int(span[0]), int(span[-1]))
+        ref = self._contents.get(fp)
+        source = ref() if ref is not None else None
+        if source is None or source.numel != span.numel():
+            return None, fp
+        gs = self.config.group_size
+        same = torch.equal(intpack_decode_ref(source.payload, gs, source.numel, span.dtype), span)
+        return (source if same else None), fp
+
+    def _view_of(self, x: torch.Tensor, source: _Source, delta: int, meta: dict) -> Packed:
+        source.users += 1
+        meta["view"] = (x.storage_offset() + delta, x.stride())
+        none = {"shared": torch.empty(0, dtype=torch.uint8, device=x.device)}  # 0 bytes
+        return Packed(self.name, x.shape, x.dtype, none, {**meta, "source": source})
 
     def _shared(self, x: torch.Tensor) -> Packed | None:
         """A packed view of ``x``'s storage, reusing the packed copy of a live sibling."""
         anchor = _anchor(x)
         key = (x.untyped_storage().data_ptr(), x.dtype, x.device)
         hit = self._sources.get(key)
-        source = None
+        source, delta = None, 0
         if hit is not None and hit[0]() is anchor and hit[1] == anchor._version:
-            source = hit[2]()
+            source, delta = hit[2](), hit[3]
         meta = {"group_size": self.config.group_size, "view": (x.storage_offset(), x.stride())}
-        inside = source is not None and source.start <= x.storage_offset()
-        if inside and _last(x) < source.start + source.numel:
-            source.users += 1
-            none = {"shared": torch.empty(0, dtype=torch.uint8, device=x.device)}  # 0 bytes
-            return Packed(self.name, x.shape, x.dtype, none, {**meta, "source": source})
+        first, last = x.storage_offset() + delta, _last(x) + delta
+        if source is not None and source.start <= first and last < source.start + source.numel:
+            return self._view_of(x, source, delta, meta)
+        self._sources = {k: v for k, v in self._sources.items() if v[0]() is not None}
+        self._contents = {k: v for k, v in self._contents.items() if v() is not None}
         span = _span(x)
+        source, fp = self._same_content(span)
+        if source is not None:  # equal values: this storage maps onto the source's
+            delta = source.start - x.storage_offset()
+            self._sources[key] = (weakref.ref(anchor), anchor._version, weakref.ref(source), delta)
+            return self._view_of(x, source, delta, meta)
         payload = intpack_encode_ref(span, self.config.group_size)
         if sum(t.numel() * t.element_size() for t in payload.values()) >= span.numel() * (
             span.element_size()
@@ -119,8 +145,8 @@ class IntPackCodec:
             return None  # would not shrink
         source = _Source(payload, x.storage_offset(), span.numel(), x.dtype)
         source.users = 1
-        self._sources = {k: v for k, v in self._sources.items() if v[0]() is not None}
-        self._sources[key] = (weakref.ref(anchor), anchor._version, weakref.ref(source))
+        self._sources[key] = (weakref.ref(anchor), anchor._version, weakref.ref(source), 0)
+        self._contents[fp] = weakref.ref(source)
         return Packed(self.name, x.shape, x.dtype, payload, {**meta, "source": source})
 
     def encode(self, x: torch.Tensor, seed: int) -> Packed | None:
