@@ -116,3 +116,27 @@ def test_route_uses_reference_without_library(monkeypatch) -> None:
         route(x, "cpu", ref, "m:f", fast)
     with pytest.raises(ValueError, match="backend='gpu' is not allowed"):
         route(x, "gpu", ref, "m:f", fast)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8) if t.is_floating_point() else t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", sorted(_inputs()))
+@pytest.mark.parametrize("block", [1, 3, 8])
+def test_division_cpu_fused_steps_bit_identical(name: str, dtype: torch.dtype, block: int) -> None:
+    """The compiled pooling, zero pattern and decode finish give the reference's bits
+    (signed, post-ReLU, constant, denormal, huge and NaN/inf inputs; partial tiles)."""
+    x = _inputs()[name]
+    x = x if dtype == torch.float32 else x.clamp(-6e4, 6e4).to(dtype)
+    for t in (x, x.reshape(-1), x.reshape(1, 1, *x.shape) if x.ndim == 2 else x):
+        args = (block, 2, 64, torch.bfloat16, 3)
+        ref = division_encode_ref(t, *args)
+        got = division_encode_cpu(t, *args)
+        assert ref.keys() == got.keys()
+        for k in ref:
+            assert torch.equal(_bits(ref[k]), _bits(got[k])), k
+        a = division_decode_cpu(ref, t.shape, dtype, block, 2, 64)
+        b = division_decode_ref(ref, t.shape, dtype, block, 2, 64)
+        assert torch.equal(_bits(a), _bits(b))

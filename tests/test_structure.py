@@ -10,15 +10,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "lightning_acgc"
 MAX_LINES = 400
-EXCLUDED: tuple[str, ...] = ()
-# Over the limit already and being rewritten by another helper (policies/acgc.py: the
-# acgc helper); split it after that merge and empty this.
-OVER_LIMIT = {
-    # split by the kernels follow-up before this lands
-    "lightning_acgc.kernels.bounded.triton",
-    "lightning_acgc.kernels.division.triton",
-    "lightning_acgc.kernels.quant.triton",
-}
 
 
 def _module_name(path: Path) -> str:
@@ -27,8 +18,7 @@ def _module_name(path: Path) -> str:
 
 
 def _modules() -> dict[str, Path]:
-    found = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
-    return {m: p for m, p in found.items() if not m.startswith(EXCLUDED)}
+    return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 
 
 def _type_checking_only(tree: ast.AST) -> set[int]:
@@ -138,15 +128,7 @@ def test_engine_imports_no_policy_and_no_lightning() -> None:
             assert "lightning" not in path.read_text().replace("lightning_acgc", ""), name
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(reason="being rewritten elsewhere"))
-        if n in OVER_LIMIT
-        else n
-        for n in sorted(_modules())
-    ],
-)
+@pytest.mark.parametrize("name", sorted(_modules()))
 def test_module_is_small(name: str) -> None:
     lines = len(_modules()[name].read_text().splitlines())
     assert lines <= MAX_LINES, f"{name}: {lines} lines"

@@ -1,12 +1,13 @@
-"""``bounded`` kernels (error-bounded per-group coding), routed to Triton (CUDA) or the
-pure-torch reference (see :func:`lightning_acgc.kernels.common.dispatch.route`; no
-compiled CPU path yet). The format is described in
+"""``bounded`` kernels (error-bounded per-group coding), routed to Triton (CUDA), the
+compiled CPU path or the pure-torch reference (see
+:func:`lightning_acgc.kernels.common.dispatch.route`). The format is described in
 :mod:`lightning_acgc.kernels.bounded.reference`."""
 
 from __future__ import annotations
 
 import torch
 
+from lightning_acgc.kernels.bounded.cpu import bounded_decode_cpu, bounded_encode_cpu
 from lightning_acgc.kernels.bounded.plan import (
     MAX_WIDTH,
     RAW_WIDTH,
@@ -40,8 +41,12 @@ def bounded_encode(
     backend: str = "auto",
 ) -> dict[str, torch.Tensor]:
     """Encode a non-empty floating tensor through the path :func:`route` picks."""
-    fn = route(x, backend, bounded_encode_ref, f"{_TRITON}:bounded_encode_triton")
-    return fn(x if fn is bounded_encode_ref else x.contiguous(), error_bound, group_size, relative)
+    fn = route(
+        x, backend, bounded_encode_ref, f"{_TRITON}:bounded_encode_triton", bounded_encode_cpu
+    )
+    if fn is bounded_encode_ref or fn is bounded_encode_cpu:
+        return fn(x, error_bound, group_size, relative)
+    return fn(x.contiguous(), error_bound, group_size, relative)
 
 
 def bounded_decode(
@@ -52,5 +57,11 @@ def bounded_decode(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Decode a payload (of any path) into a flat tensor of ``numel`` values."""
-    fn = route(payload["lo"], backend, bounded_decode_ref, f"{_TRITON}:bounded_decode_triton")
+    fn = route(
+        payload["lo"],
+        backend,
+        bounded_decode_ref,
+        f"{_TRITON}:bounded_decode_triton",
+        bounded_decode_cpu,
+    )
     return fn(payload, group_size, numel, dtype)

@@ -27,12 +27,23 @@ _SOURCE = Path(__file__).with_name("fastcpu.c")
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-lm"]
 
 _I64, _I32, _U32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p
+_F32 = ctypes.c_float
 _SIGNATURES = {
     "acgc_group_stats": (_I32, [_P, _I64, _I64, _P, _P, _P, _I32]),
     "acgc_quant_pack": (None, [_P, _I64, _I64, _I32, _P, _P, _P, _P, _U32, _P, _I32]),
     "acgc_quant_unpack": (None, [_P, _I64, _I64, _I32, _P, _P, _P, _P, _I32]),
     "acgc_mask_pack": (None, [_P, _I64, _P, _I32]),
     "acgc_mask_unpack": (None, [_P, _I64, _P, _I32]),
+    "acgc_group_has_zero": (None, [_P, _I64, _I64, _P, _I32]),
+    "acgc_has_f16": (_I32, []),
+    "acgc_bounded_pack": (
+        None,
+        [_P, _I64, _I64, _P, _P, _P, _P, _F32, _F32, _I32, _I32, _P, _P, _P, _I32],
+    ),
+    "acgc_pool_last": (None, [_P, _I64, _I64, _I64, _P, _I32]),
+    "acgc_zero_pattern": (None, [_P, _I64, _P, _P, _I32]),
+    "acgc_division_finish": (None, [_P, _I64, _F32, _P, _F32, _I32]),
+    "acgc_bounded_unpack": (None, [_P, _I64, _I64, _P, _P, _P, _P, _F32, _I32, _P, _I32]),
 }
 
 

@@ -1,4 +1,4 @@
-/* Compiled CPU path of the codec kernels (quant and mask): plain C99 + OpenMP, no torch
+/* Compiled CPU path of the codec kernels (quant, mask, bounded): plain C99 + OpenMP, no torch
  * headers. Python passes data pointers through ctypes (lightning_acgc/kernels/common/
  * cpu_lib.py builds this file with gcc on first use). Every function computes exactly what
  * its pure-torch reference computes (same float32 operations, no FMA contraction: built
@@ -7,6 +7,10 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+/* Threads for a call over `work` elements: one below 32K elements, where waking the
+ * team costs more than the work (many small saved tensors, e.g. RNN steps). */
+#define THREADS(work) ((work) < 32768 ? 1 : nthreads)
 
 /* Chris Wellons' lowbias32 integer hash (also written in torch in quant/reference.py). */
 static inline uint32_t lowbias32(uint32_t x) {
@@ -25,7 +29,7 @@ int acgc_group_stats(const float *x, int64_t n, int64_t gs, float *lo, float *hi
                      float *min_pos, int nthreads) {
     int64_t groups = (n + gs - 1) / gs;
     int bad = 0;
-#pragma omp parallel for schedule(static) num_threads(nthreads) reduction(| : bad)
+#pragma omp parallel for schedule(static) num_threads(THREADS(n)) reduction(| : bad)
     for (int64_t g = 0; g < groups; g++) {
         const float *p = x + g * gs;
         int64_t len = (g + 1) * gs <= n ? gs : n - g * gs;
@@ -91,7 +95,7 @@ void acgc_quant_pack(const float *x, int64_t n, int64_t gs, int bits, const floa
     int64_t groups = (n + gs - 1) / gs;
     int per = 8 / bits;
     int64_t gbytes = gs / per;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
+#pragma omp parallel for schedule(static) num_threads(THREADS(n))
     for (int64_t g = 0; g < groups; g++) {
         float l = lo[g], iv = inv[g], tp = top[g];
         uint8_t z = zk[g];
@@ -142,7 +146,7 @@ void acgc_quant_unpack(const uint8_t *codes, int64_t n, int64_t gs, int bits, co
     int64_t groups = (n + gs - 1) / gs;
     int per = 8 / bits;
     int mask = (1 << bits) - 1;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
+#pragma omp parallel for schedule(static) num_threads(THREADS(n))
     for (int64_t g = 0; g < groups; g++) {
         float l = lo[g], st = step[g];
         int z = zk[g];
@@ -172,7 +176,7 @@ void acgc_quant_unpack(const uint8_t *codes, int64_t n, int64_t gs, int bits, co
 /* 1-bit packing of n bytes holding 0/1: bit i % 8 of byte i / 8 is element i (tail 0). */
 void acgc_mask_pack(const uint8_t *m, int64_t n, uint8_t *out, int nthreads) {
     int64_t nbytes = (n + 7) / 8, full = n / 8;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
+#pragma omp parallel for schedule(static) num_threads(THREADS(n))
     for (int64_t b = 0; b < full; b++) {
         const uint8_t *p = m + 8 * b;
         uint8_t byte = 0;
@@ -187,6 +191,267 @@ void acgc_mask_pack(const uint8_t *m, int64_t n, uint8_t *out, int nthreads) {
 }
 
 void acgc_mask_unpack(const uint8_t *packed, int64_t n, uint8_t *out, int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads)
+#pragma omp parallel for schedule(static) num_threads(THREADS(n))
     for (int64_t i = 0; i < n; i++) out[i] = (packed[i >> 3] >> (i & 7)) & 1;
+}
+
+/* ---- bounded (error-bounded) codec; see kernels/bounded/reference.py for the format ---- */
+
+/* Whether some float32 value of each group is an exact zero (tail groups: the first len). */
+void acgc_group_has_zero(const float *x, int64_t n, int64_t gs, uint8_t *has_zero,
+                         int nthreads) {
+    int64_t groups = (n + gs - 1) / gs;
+#pragma omp parallel for schedule(static) num_threads(THREADS(n))
+    for (int64_t g = 0; g < groups; g++) {
+        const float *p = x + g * gs;
+        int64_t len = (g + 1) * gs <= n ? gs : n - g * gs;
+        int z = 0;
+        for (int64_t i = 0; i < len; i++) z |= p[i] == 0.0f;
+        has_zero[g] = (uint8_t)z;
+    }
+}
+
+#ifdef __FLT16_MAX__
+int acgc_has_f16(void) { return 1; }
+#define ROUND_F16(v) ((float)(_Float16)(v))
+#else
+int acgc_has_f16(void) { return 0; }
+#define ROUND_F16(v) (v)
+#endif
+
+/* float32 -> bfloat16 bits, round to nearest even (finite inputs). */
+static inline uint16_t bf16_bits(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* v rounded to the output kind (0 fp32, 1 fp16, 2 bf16), back in float32. */
+static inline float round_kind(float v, int kind) {
+    if (kind == 1) return ROUND_F16(v);
+    if (kind == 2) {
+        uint32_t u = (uint32_t)bf16_bits(v) << 16;
+        float r;
+        memcpy(&r, &u, 4);
+        return r;
+    }
+    return v;
+}
+
+/* The format's decode of code q (float32) in a group (lo, s = |step|, zk), before the cast:
+ * fl32(fl32(q' * s) + lo) clamped to +-top; zero-kept code 0 is +0.0. */
+static inline float bounded_value(float q, float lo, float s, int zk, float top) {
+    if (zk && q == 0.0f) return 0.0f;
+    float v = (q - (float)zk) * s;
+    v = v + lo;
+    v = v < -top ? -top : v;
+    return v > top ? top : v;
+}
+
+/* The 8 codes of width w (1..16) held by the w bytes at src, as float32 into q[0..7]; with
+ * room (16 readable bytes at src) it loads 16 bytes, the bits past 8 * w being unused. */
+static inline void codes8(const uint8_t *src, int w, int room, float *q) {
+    uint8_t buf[16] = {0};
+    if (room)
+        memcpy(buf, src, 16);
+    else
+        memcpy(buf, src, (size_t)w);
+    uint64_t a, b;
+    memcpy(&a, buf, 8); /* little-endian hosts (x86-64, aarch64) */
+    memcpy(&b, buf + 8, 8);
+    unsigned __int128 v = ((unsigned __int128)b << 64) | a;
+    uint32_t mask = (1u << w) - 1u;
+    for (int k = 0; k < 8; k++) q[k] = (float)((uint32_t)(v >> (k * w)) & mask);
+}
+
+/* Encode: per group g of kind width[g] (0 constant, 1..16 coded, 255 raw) with lo/step from
+ * the plan, the codes round((x - lo) / |step|) (half to even; +1 in zero-kept groups, 0 at
+ * zeros) packed from byte off[g] as a little-endian bit stream; then, if check, each
+ * element's decoded value (cast to kind) compared with x: |x̂ - x| < eb32 or it violates.
+ * viol[g] counts the violators of group g among the first n elements; flags (if not NULL)
+ * gets 1 at each violator. The tail group is padded with x[n - 1]. */
+void acgc_bounded_pack(const float *x, int64_t n, int64_t gs, const uint8_t *width,
+                       const float *lo, const float *step, const int64_t *off, float eb32,
+                       float top, int kind, int check, uint8_t *codes, int32_t *viol,
+                       uint8_t *flags, int nthreads) {
+    int64_t groups = (n + gs - 1) / gs;
+#pragma omp parallel for schedule(static) num_threads(THREADS(n))
+    for (int64_t g = 0; g < groups; g++) {
+        int w = width[g];
+        int64_t base = g * gs;
+        int64_t len = base + gs <= n ? gs : n - base;
+        int32_t bad = 0;
+        if (w == 255) { /* raw: decodes exactly; only a zero bound fails the check */
+            if (check && !(0.0f < eb32)) {
+                bad = (int32_t)len;
+                if (flags) memset(flags + base, 1, (size_t)len);
+            }
+            viol[g] = bad;
+            continue;
+        }
+        float l = lo[g], st = step[g];
+        int zk = signbit(st) ? 1 : 0;
+        float s = fabsf(st);
+        float div = s > 0.0f ? s : 1.0f; /* coded groups (width 0 too): |step| */
+        float zf = (float)zk;
+        uint8_t *out = codes + off[g];
+        uint64_t acc = 0;
+        int nacc = 0;
+        float q[CHUNK], xv[CHUNK];
+        for (int64_t c0 = 0; c0 < gs; c0 += CHUNK) {
+            int64_t m = gs - c0 < CHUNK ? gs - c0 : CHUNK;
+            int64_t valid = len - c0 < m ? (len - c0 > 0 ? len - c0 : 0) : m;
+            for (int64_t j = 0; j < m; j++) xv[j] = j < valid ? x[base + c0 + j] : x[n - 1];
+            for (int64_t j = 0; j < m; j++) {
+                float v = xv[j];
+                float r = rintf((v - l) / div) + zf;
+                q[j] = (zk && v == 0.0f) ? 0.0f : r;
+            }
+            if (w > 0) {
+                for (int64_t j = 0; j < m; j++) {
+                    acc |= (uint64_t)(uint32_t)q[j] << nacc;
+                    nacc += w;
+                    while (nacc >= 8) {
+                        *out++ = (uint8_t)acc;
+                        acc >>= 8;
+                        nacc -= 8;
+                    }
+                }
+            }
+            if (check) {
+                int32_t cnt = 0;
+                for (int64_t j = 0; j < valid; j++) {
+                    float d = round_kind(bounded_value(q[j], l, s, zk, top), kind);
+                    cnt += !(fabsf(d - xv[j]) < eb32);
+                }
+                bad += cnt;
+                if (cnt && flags) {
+                    for (int64_t j = 0; j < valid; j++) {
+                        float d = round_kind(bounded_value(q[j], l, s, zk, top), kind);
+                        if (!(fabsf(d - xv[j]) < eb32)) flags[base + c0 + j] = 1;
+                    }
+                }
+            }
+        }
+        viol[g] = bad;
+    }
+}
+
+/* Decode the coded and constant groups into out (G * gs values of kind: float32 or 16-bit
+ * bits); raw groups are left for the caller. */
+void acgc_bounded_unpack(const uint8_t *codes, int64_t groups, int64_t gs, const uint8_t *width,
+                         const float *lo, const float *step, const int64_t *off, float top,
+                         int kind, void *out, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(THREADS(groups * gs))
+    for (int64_t g = 0; g < groups; g++) {
+        int w = width[g];
+        if (w == 255) continue;
+        float l = lo[g], st = step[g];
+        int zk = signbit(st) ? 1 : 0;
+        float s = fabsf(st);
+        const uint8_t *src = codes + off[g];
+        float v[CHUNK];
+        for (int64_t c0 = 0; c0 < gs; c0 += CHUNK) {
+            int64_t m = gs - c0 < CHUNK ? gs - c0 : CHUNK;
+            if (w == 0) {
+                for (int64_t j = 0; j < m; j++) v[j] = 0.0f;
+            } else if (w == 8) {
+                for (int64_t j = 0; j < m; j++) v[j] = (float)src[c0 + j];
+            } else {
+                int64_t end = gs / 8 * w; /* the group's bytes */
+                /* one loop per width, so that the shifts are constants */
+#define UNPACK_W(W)                                                  \
+    case W:                                                          \
+        for (int64_t j = 0; j < m; j += 8) {                         \
+            int64_t at = (c0 + j) / 8 * (W);                         \
+            codes8(src + at, (W), at + 16 <= end, v + j);            \
+        }                                                            \
+        break;
+                switch (w) {
+                    UNPACK_W(1) UNPACK_W(2) UNPACK_W(3) UNPACK_W(4) UNPACK_W(5) UNPACK_W(6)
+                    UNPACK_W(7) UNPACK_W(9) UNPACK_W(10) UNPACK_W(11) UNPACK_W(12)
+                    UNPACK_W(13) UNPACK_W(14) UNPACK_W(15) UNPACK_W(16)
+                    default: break;
+                }
+#undef UNPACK_W
+            }
+            for (int64_t j = 0; j < m; j++) v[j] = bounded_value(v[j], l, s, zk, top);
+            if (kind == 0) {
+                memcpy((float *)out + g * gs + c0, v, (size_t)m * 4);
+            } else if (kind == 2) {
+                uint16_t *o = (uint16_t *)out + g * gs + c0;
+                for (int64_t j = 0; j < m; j++) o[j] = bf16_bits(v[j]);
+            } else {
+#ifdef __FLT16_MAX__
+                _Float16 *o = (_Float16 *)out + g * gs + c0;
+                for (int64_t j = 0; j < m; j++) o[j] = (_Float16)v[j];
+#endif
+            }
+        }
+    }
+}
+
+/* ---- division: pooling along the last axis, the zero pattern, the decode's last steps ---- */
+
+/* Averages of blk consecutive values along the last axis of a (rows, w) float32 array into
+ * (rows, ceil(w / blk)): each tile summed in order (0 + x0 + x1 + ...) and divided by its
+ * element count, as the reference's _pool_axis. */
+void acgc_pool_last(const float *x, int64_t rows, int64_t w, int64_t blk, float *out,
+                    int nthreads) {
+    int64_t wo = (w + blk - 1) / blk;
+#pragma omp parallel for schedule(static) num_threads(THREADS(rows * w))
+    for (int64_t r = 0; r < rows; r++) {
+        const float *p = x + r * w;
+        float *o = out + r * wo;
+        for (int64_t j = 0; j < wo; j++) {
+            int64_t cnt = (j + 1) * blk <= w ? blk : w - j * blk;
+            float s = 0.0f;
+            for (int64_t k = 0; k < cnt; k++) s = s + p[j * blk + k];
+            o[j] = s / (float)cnt;
+        }
+    }
+}
+
+/* Bit i % 8 of byte i / 8 of packed is x[i] == 0 (mask layout; tail bits 0), and *min_pos
+ * the smallest positive value (inf if none). Parallel over blocks of 8 values. */
+void acgc_zero_pattern(const float *x, int64_t n, uint8_t *packed, float *min_pos,
+                       int nthreads) {
+    int64_t nbytes = (n + 7) / 8;
+    float best = INFINITY;
+#pragma omp parallel num_threads(THREADS(n))
+    {
+        float mp = INFINITY;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < nbytes; b++) {
+            int64_t i0 = 8 * b, cnt = n - i0 < 8 ? n - i0 : 8;
+            uint8_t byte = 0;
+            for (int64_t k = 0; k < cnt; k++) {
+                float v = x[i0 + k];
+                byte |= (uint8_t)((v == 0.0f) << k);
+                mp = (v > 0.0f && v < mp) ? v : mp;
+            }
+            packed[b] = byte;
+        }
+#pragma omp critical
+        best = mp < best ? mp : best;
+    }
+    *min_pos = best;
+}
+
+/* In place: out = clamp(out, -fmax, fmax); with a zero mask, max(out, min_pos) and +0.0 where
+ * the mask's bit is set. */
+void acgc_division_finish(float *out, int64_t n, float fmax, const uint8_t *zmask,
+                          float min_pos, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(THREADS(n))
+    for (int64_t i = 0; i < n; i++) {
+        float v = out[i];
+        v = v < -fmax ? -fmax : v;
+        v = v > fmax ? fmax : v;
+        if (zmask) {
+            v = v > min_pos ? v : min_pos;
+            v = (zmask[i >> 3] >> (i & 7)) & 1 ? 0.0f : v;
+        }
+        out[i] = v;
+    }
 }

@@ -46,6 +46,13 @@ from typing import NamedTuple
 import torch
 
 from lightning_acgc.kernels.common.nonfinite import restore_exceptions
+from lightning_acgc.kernels.division.pooling import (
+    check_block_axes,
+    division_lowpass_ref,
+    division_upsample_ref,
+    pool_axes,
+    with_upsampled,
+)
 from lightning_acgc.kernels.mask.reference import mask_pack_ref, mask_unpack_ref
 from lightning_acgc.kernels.quant.reference import quant_decode_ref, quant_encode_ref
 
@@ -63,157 +70,6 @@ __all__ = [
 ]
 
 _FP32_MAX = torch.finfo(torch.float32).max
-
-
-def pool_axes(ndim: int) -> tuple[int, ...]:
-    """Axes pooled for a tensor of ``ndim`` dimensions.
-
-    4-D and wider: every axis after the first two (H, W for NCHW; D, H, W for NCDHW);
-    3-D (N, L, D): axis 1; 2-D and 1-D: the last axis; 0-d: none.
-    """
-    if ndim >= 4:
-        return tuple(range(2, ndim))
-    if ndim == 3:
-        return (1,)
-    if ndim >= 1:
-        return (ndim - 1,)
-    return ()
-
-
-def _check_block_axes(ndim: int, block: int, axes: Sequence[int] | None) -> tuple[int, ...]:
-    if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
-        raise ValueError(f"block={block!r} must be an integer > 0")
-    if axes is None:
-        return pool_axes(ndim)
-    norm = []
-    for a in axes:
-        if not -ndim <= a < ndim:
-            raise ValueError(f"axes={tuple(axes)!r}: axis {a} is out of range for {ndim}-D")
-        norm.append(a % ndim)
-    if len(set(norm)) != len(norm):
-        raise ValueError(f"axes={tuple(axes)!r} repeats an axis")
-    return tuple(sorted(norm))
-
-
-def _pool_axis(t: torch.Tensor, axis: int, block: int, acc: torch.dtype) -> torch.Tensor:
-    """Averages of ``block`` consecutive entries along ``axis`` (the tail over its size).
-
-    Tile sums are taken in tile order (0 + x0 + x1 + ...), so that every implementation
-    (CPU, CUDA, Triton) gets the same bits; ``torch.sum`` promises no order.
-    """
-    size = t.shape[axis]
-    if size == 0:  # empty axis
-        return t.to(acc)
-    full, rem = divmod(size, block)
-    parts = []
-    for start, count, n in ((0, full * block, block), (full * block, rem, rem)):
-        if count == 0:
-            continue
-        tiles = t.narrow(axis, start, count).unflatten(axis, (count // n, n))
-        total = torch.zeros_like(tiles.select(axis + 1, 0), dtype=acc)
-        for k in range(n):
-            total = total + tiles.select(axis + 1, k)
-        parts.append(total.div_(n))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, axis)
-
-
-def division_lowpass_ref(
-    x: torch.Tensor, block: int, axes: Sequence[int] | None = None
-) -> torch.Tensor:
-    """Block average pool of ``x`` over ``axes`` (default :func:`pool_axes`).
-
-    Each pooled axis of size ``L`` becomes ``ceil(L / block)``; a partial tile at the edge
-    is averaged over its real elements. The pooling is separable, so it is done one axis
-    at a time (last axis first), each pass on an already shrunk tensor.
-
-    Returns:
-        float32 averages (float64 for a float64 input).
-
-    Raises:
-        ValueError: ``block`` is not a positive integer, or ``axes`` is out of range.
-    """
-    axes = _check_block_axes(x.ndim, block, axes)
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    out = x
-    for axis in reversed(axes):
-        out = _pool_axis(out, axis, block, acc)
-    return out.to(acc, copy=True) if out is x else out
-
-
-def division_upsample_ref(
-    low: torch.Tensor,
-    shape: Sequence[int],
-    block: int,
-    axes: Sequence[int] | None = None,
-) -> torch.Tensor:
-    """Inverse layout of :func:`division_lowpass_ref`: every tile filled with its average.
-
-    Args:
-        low: the pooled tensor.
-        shape: the shape of the tensor that was pooled.
-        block: the tile edge used for pooling.
-        axes: the pooled axes (default :func:`pool_axes` of ``len(shape)``).
-
-    Returns:
-        A tensor of ``shape`` and ``low.dtype`` (a view of a fresh tensor).
-
-    Raises:
-        ValueError: ``low`` does not have the pooled shape of ``shape``.
-    """
-    shape = tuple(shape)
-    axes = _check_block_axes(len(shape), block, axes)
-    expected = tuple(-(-s // block) if i in axes else s for i, s in enumerate(shape))
-    if tuple(low.shape) != expected:
-        raise ValueError(
-            f"low has shape {tuple(low.shape)}; pooling {shape} over axes {axes} with "
-            f"block={block} gives {expected}"
-        )
-    view, expand, padded = [], [], []
-    for i, s in enumerate(expected):
-        view.append(s)
-        expand.append(s)
-        if i in axes:
-            view.append(1)
-            expand.append(block)
-            padded.append(s * block)
-        else:
-            padded.append(s)
-    up = low.reshape(view).expand(expand).reshape(padded)
-    for axis in axes:
-        if up.shape[axis] != shape[axis]:
-            up = up.narrow(axis, 0, shape[axis])
-    return up
-
-
-def _tile_shapes(
-    shape: Sequence[int], block: int, axes: tuple[int, ...]
-) -> tuple[list[int], list[int]] | None:
-    """(tiled shape of x, broadcast shape of low) when every pooled axis is whole tiles."""
-    tiled, bcast = [], []
-    for i, s in enumerate(shape):
-        if i in axes:
-            if s % block:
-                return None
-            tiled += [s // block, block]
-            bcast += [s // block, 1]
-        else:
-            tiled.append(s)
-            bcast.append(s)
-    return tiled, bcast
-
-
-def _with_upsampled(
-    t: torch.Tensor, low: torch.Tensor, block: int, axes: tuple[int, ...], subtract: bool
-) -> torch.Tensor:
-    """``t -/+ upsample(low)`` as a fresh contiguous tensor; one broadcast pass when the
-    pooled axes are whole tiles."""
-    shapes = _tile_shapes(t.shape, block, axes)
-    if shapes is None:
-        up = division_upsample_ref(low, t.shape, block, axes)
-        return t - up if subtract else t + up
-    tiled, bcast = shapes
-    tt, lb = t.reshape(tiled), low.reshape(bcast)
-    return (tt - lb if subtract else tt + lb).view(t.shape)
 
 
 def _set_aside_nonfinite(
@@ -235,12 +91,17 @@ def _set_aside_nonfinite(
 
 class Kernels(NamedTuple):
     """The quant and mask functions a division encoder/decoder calls (reference, compiled
-    CPU or Triton), with the signatures of the references."""
+    CPU or Triton), with the signatures of the references; the optional fused steps
+    compute the same bits as the torch code they replace (None: that torch code)."""
 
     quant_encode: Callable[..., dict[str, torch.Tensor]]
     quant_decode: Callable[..., torch.Tensor]
     mask_pack: Callable[[torch.Tensor], torch.Tensor]
     mask_unpack: Callable[[torch.Tensor, int], torch.Tensor]
+    pool_axis: Callable[..., torch.Tensor] | None = None  # as _pool_axis
+    zero_pattern: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None
+    # (out, fmax, payload) -> out clamped, zero pattern applied (float32, in place)
+    finish: Callable[[torch.Tensor, float, dict[str, torch.Tensor]], torch.Tensor] | None = None
 
 
 REFERENCE_KERNELS = Kernels(quant_encode_ref, quant_decode_ref, mask_pack_ref, mask_unpack_ref)
@@ -258,7 +119,7 @@ def division_encode_with(
 ) -> dict[str, torch.Tensor]:
     """The encoder (the one place that writes the payload), calling ``kernels``; with
     ``noise`` the residual goes through the quant reference with that noise."""
-    axes = _check_block_axes(x.ndim, block, None)
+    axes = check_block_axes(x.ndim, block, None)
     x0 = x.to(torch.float32, memory_format=torch.contiguous_format)
     xf = x0
     exc_idx = torch.empty(0, dtype=torch.int64, device=x.device)
@@ -268,13 +129,13 @@ def division_encode_with(
         xf, exc_idx, exc_val = _set_aside_nonfinite(xf, x, block, axes)
         lo, hi = torch.aminmax(xf)
 
-    low32 = division_lowpass_ref(xf, block, axes)
+    low32 = division_lowpass_ref(xf, block, axes, kernels.pool_axis)
     if not torch.isfinite(low32).all():  # float32 sums overflowed
         low32 = division_lowpass_ref(xf.double(), block, axes).float()
     low = low32.to(low_dtype)
     if low_dtype != torch.float32 and not torch.isfinite(low).all():
         low = low32  # averages beyond low_dtype's range: keep this tensor's in float32
-    r = _with_upsampled(xf, low.float(), block, axes, subtract=True)
+    r = with_upsampled(xf, low.float(), block, axes, subtract=True)
     if max(abs(float(lo)), abs(float(hi))) > _FP32_MAX / 2:  # |x - mean| may overflow
         bad = ~torch.isfinite(r)
         if bool(bad.any()):
@@ -298,7 +159,10 @@ def division_encode_with(
         "exc_val": exc_val,
     }
     if bool((lo == 0) & (hi > 0)):  # non-negative, with exact zeros: keep the zero pattern
-        payload.update(zero_pattern(x0, kernels.mask_pack))
+        if kernels.zero_pattern is not None:
+            payload.update(kernels.zero_pattern(x0))
+        else:
+            payload.update(zero_pattern(x0, kernels.mask_pack))
     return payload
 
 
@@ -323,7 +187,7 @@ def division_decode_with(
 ) -> torch.Tensor:
     """The decoder, calling ``kernels``."""
     shape = torch.Size(shape)
-    axes = _check_block_axes(len(shape), block, None)
+    axes = check_block_axes(len(shape), block, None)
     numel = shape.numel()
     qp = {
         "codes": payload["codes"],
@@ -333,15 +197,30 @@ def division_decode_with(
         "exc_val": payload["res_exc_val"],
     }
     r = kernels.quant_decode(qp, residual_bits, group_size, numel, torch.float32)
-    out = _with_upsampled(r.view(shape), payload["low"].float(), block, axes, subtract=False)
+    out = with_upsampled(r.view(shape), payload["low"].float(), block, axes, subtract=False)
     fmax = torch.finfo(dtype).max
-    out = out.clamp_(-fmax, fmax)
-    if "zero_mask" in payload:
-        zero = kernels.mask_unpack(payload["zero_mask"], numel).view(shape)
-        out = torch.maximum(out, payload["min_pos"].view(())).masked_fill_(zero, 0.0)
+    if kernels.finish is not None:
+        out = kernels.finish(out, fmax, payload)
+    else:
+        out = _finish(out, fmax, payload, kernels.mask_unpack)
     flat = out.reshape(-1).to(dtype)
     flat = restore_exceptions(flat, payload["exc_idx"], payload["exc_val"])
     return flat.view(shape)
+
+
+def _finish(
+    out: torch.Tensor,
+    fmax: float,
+    payload: dict[str, torch.Tensor],
+    mask_unpack: Callable[[torch.Tensor, int], torch.Tensor],
+) -> torch.Tensor:
+    """The decode's last steps: clamp to the dtype's range, then the zero pattern."""
+    out = out.clamp_(-fmax, fmax)
+    shape, numel = out.shape, out.numel()
+    if "zero_mask" in payload:
+        zero = mask_unpack(payload["zero_mask"], numel).view(shape)
+        out = torch.maximum(out, payload["min_pos"].view(())).masked_fill_(zero, 0.0)
+    return out
 
 
 def division_encode_ref(

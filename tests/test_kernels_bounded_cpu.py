@@ -1,0 +1,79 @@
+"""The compiled ``bounded`` CPU path against the torch reference (the specification):
+bit-identical payloads and decodes on adversarial inputs, and the bound elementwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_acgc.kernels.bounded import bounded_decode, bounded_encode
+from lightning_acgc.kernels.bounded.cpu import bounded_decode_cpu, bounded_encode_cpu
+from lightning_acgc.kernels.bounded.reference import bounded_decode_ref, bounded_encode_ref
+from lightning_acgc.kernels.common import cpu_lib
+
+pytestmark = pytest.mark.skipif(cpu_lib.cpu_library() is None, reason="no C compiler here")
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# (error_bound, relative): ordinary, relative, below every spacing, coarse, a zero float32 bound
+_BOUNDS = ((1e-3, False), (1e-2, True), (1e-9, False), (0.5, False), (1e-46, False))
+
+
+def _inputs() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4000, generator=g)
+    signed_zeros = torch.zeros(640)
+    signed_zeros[torch.randperm(640, generator=g)[:300]] = -0.0
+    return {
+        "randn": x,
+        "relu": x.relu(),
+        "constant": torch.full((777,), 3.5),
+        "signed_zeros": signed_zeros,
+        "huge": x * 1e30,
+        "denormal": x * 1e-40,
+        "mixed": torch.cat([x[:1000] * 1e-3, x[1000:2000] * 1e20, torch.zeros(100)]),
+        "zero_top": torch.cat([-x[:100].abs(), torch.zeros(30)]),
+        "0-d": torch.tensor(2.5),
+        "non_contiguous": x[:3200].view(32, 100).t(),
+        "tiny": x[:3],
+        "nonfinite": torch.tensor([1.0, float("nan"), float("inf"), -2.0, float("-inf")] * 9),
+    }
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8) if t.is_floating_point() else t
+
+
+@pytest.mark.parametrize("dtype", _DTYPES, ids=str)
+@pytest.mark.parametrize("name", sorted(_inputs()))
+def test_bounded_cpu_matches_reference(name: str, dtype: torch.dtype) -> None:
+    x = _inputs()[name]
+    x = x.to(dtype) if dtype == torch.float32 else x.clamp(-6e4, 6e4).to(dtype)
+    for eb, relative in _BOUNDS:
+        for gs in (8, 64, 256):
+            ref = bounded_encode_ref(x, eb, gs, relative)
+            got = bounded_encode_cpu(x, eb, gs, relative)
+            assert ref.keys() == got.keys()
+            for k in ref:
+                assert ref[k].dtype == got[k].dtype, k
+                assert torch.equal(_bits(ref[k]), _bits(got[k])), (k, eb, relative, gs)
+            y_ref = bounded_decode_ref(ref, gs, x.numel(), dtype)
+            y_cpu = bounded_decode_cpu(ref, gs, x.numel(), dtype)
+            assert torch.equal(_bits(y_ref), _bits(y_cpu)), (eb, relative, gs)
+            flat = x.reshape(-1).float()
+            fin = torch.isfinite(flat)
+            err = (y_cpu.float() - flat).abs()[fin]
+            assert bool((err <= float(ref["bound"])).all())
+            assert torch.equal(y_cpu[~fin].float().nan_to_num(0.0), flat[~fin].nan_to_num(0.0))
+
+
+def test_bounded_router_picks_the_cpu_path_and_rejects_bad_input() -> None:
+    x = torch.randn(1000).relu()
+    payload = bounded_encode(x, 1e-3, 64, backend="cpu")
+    y = bounded_decode(payload, 64, x.numel(), x.dtype, backend="cpu")
+    assert float((y - x).abs().max()) <= 1e-3
+    with pytest.raises(ValueError, match="empty"):
+        bounded_encode_cpu(torch.zeros(0), 1e-3, 64)
+    with pytest.raises(ValueError, match="error_bound"):
+        bounded_encode_cpu(x, float("inf"), 64)
+    with pytest.raises(ValueError, match="numel"):
+        bounded_decode_cpu(payload, 64, 5000, x.dtype)
