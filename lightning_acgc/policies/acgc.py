@@ -19,7 +19,9 @@ error stays within E = target · e² · ‖g‖² / κ:
 * ``codec="bounded"``: COMET-style |x − x̂| ≤ eb (variance ≤ eb²/3), each tensor's share
   of E in proportion to its size (the previous default; its calibration is unchanged).
 
-The error is held per layer too (:mod:`lightning_acgc.policies.acgc_corrections`).
+The error is held per layer too (:mod:`lightning_acgc.policies.acgc_corrections`; with
+``quant``, a layer over budget through δ puts width floors on the tensors saved around
+it, :mod:`lightning_acgc.policies.acgc_floors`).
 
 Verify, don't trust: with ``verify=True`` the exact gradient is computed on calibration
 steps; its statistics set the settings of the same step's compressed pass, so the logged
