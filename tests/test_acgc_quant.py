@@ -53,6 +53,15 @@ def test_allocation_gives_more_bits_to_the_more_sensitive_tensor() -> None:
     assert allocate_to_error([10, 10], errors, 0.0, [1, 1], [32, 32]) == [KEEP, KEEP]
 
 
+def test_allocation_gives_back_an_upgrade_a_later_one_made_unneeded() -> None:
+    """Greedy upgrades first the small tensor (more error cut per bit), then the large
+    one, after which the small one's upgrade is not needed: it is given back."""
+    small = {1: 1.0, 2: 0.5, 4: 0.1, 8: 0.01}
+    large = {1: 3.0, 2: 0.2, 4: 0.01, 8: 0.001}
+    widths = allocate_to_error([1, 10], [small, large], 2.0, [1, 1], [32, 32])
+    assert widths == [1, 2]
+
+
 def test_one_bit_and_mixed_widths_round_trip_through_the_engine() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(

@@ -199,11 +199,11 @@ def _shifted(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(64, 16, generator=g) + y[:, None].float(), y
 
 
-@pytest.mark.parametrize(("codec", "settled"), [("bounded", 4), ("quant", 10)])
+@pytest.mark.parametrize(("codec", "settled"), [("bounded", 4), ("quant", 2)])
 def test_acgc_holds_each_layers_error_not_only_the_global_one(codec: str, settled: int) -> None:
-    """``settled``: the first calibration from which every layer holds e. With quant the
-    first loosening of λ (16 -> 8, step 8) moves a site from 8 to 4 bits and breaks the
-    layer's budget once; λ then never goes back under twice that value."""
+    """``settled``: the first calibration from which every layer holds e. With bounded
+    the layer's error through δ raises λ; with quant it sets width floors on the tensors
+    saved around the layer (acgc_floors), which loosen one step at a time."""
     torch.manual_seed(0)
     e = 0.05
     _, history = _train(
@@ -219,7 +219,10 @@ def test_acgc_holds_each_layers_error_not_only_the_global_one(codec: str, settle
     calibrations = {i: h for i, h in enumerate(history) if "grad_error" in h}
     # First allocated bounds (step 1): globally fine, the saturated layer far off.
     assert calibrations[1]["grad_error"] <= e < calibrations[1]["layer_grad_error"]
-    assert calibrations[1]["lambda"] > 1
+    if codec == "bounded":
+        assert calibrations[1]["lambda"] > 1
+    else:
+        assert calibrations[1]["floors"] > 0
     later = [h for i, h in calibrations.items() if i >= settled]
     assert len(later) == (20 - settled) // 2
     assert all(h["layer_grad_error"] <= e and h["grad_error"] <= e for h in later), later

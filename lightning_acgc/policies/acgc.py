@@ -19,7 +19,9 @@ error stays within E = target · e² · ‖g‖² / κ:
 * ``codec="bounded"``: COMET-style |x − x̂| ≤ eb (variance ≤ eb²/3), each tensor's share
   of E in proportion to its size (the previous default; its calibration is unchanged).
 
-The error is held per layer too (:mod:`lightning_acgc.policies.acgc_corrections`).
+The error is held per layer too (:mod:`lightning_acgc.policies.acgc_corrections`; with
+``quant``, a layer over budget through δ puts width floors on the tensors saved around
+it, :mod:`lightning_acgc.policies.acgc_floors`).
 
 Verify, don't trust: with ``verify=True`` the exact gradient is computed on calibration
 steps; its statistics set the settings of the same step's compressed pass, so the logged
@@ -63,6 +65,7 @@ from lightning_acgc.policies.acgc_allocation import (
     quant_widths,
 )
 from lightning_acgc.policies.acgc_corrections import ModelCorrections
+from lightning_acgc.policies.acgc_floors import ScopeFloors
 from lightning_acgc.policies.acgc_noise import NoiseBudget
 from lightning_acgc.policies.acgc_state import ACGCState
 from lightning_acgc.policies.base import Reduce
@@ -76,7 +79,7 @@ __all__ = ["ACGCPolicy"]
 CODECS = ("quant", "bounded")
 
 
-class ACGCPolicy(ACGCState, NoiseBudget, ModelCorrections, CalibratingPolicy):
+class ACGCPolicy(ACGCState, NoiseBudget, ScopeFloors, ModelCorrections, CalibratingPolicy):
     """Compression settings per saved tensor derived from an allowed gradient error.
 
     Args:
@@ -180,9 +183,10 @@ class ACGCPolicy(ACGCState, NoiseBudget, ModelCorrections, CalibratingPolicy):
         self._meta = quant_meta_options() if codec == "quant" else {}
         self.bounds: dict[str, float] = {}
         self.site_bits: dict[str, int] = {}
+        self._floors: dict[str, int] = {}  # quant: smallest width per tensor (acgc_floors)
         self.kappa = 0.5 if codec == "quant" else 4.0
         self._readings: deque[float] = deque(maxlen=history)
-        self._layer_readings: deque[float] = deque(maxlen=history)  # λ's
+        self._scope_readings: dict[str, deque[float]] = {}  # λ's, by module scope
         self._own_readings: dict[str, deque[float]] = {}  # μ_m's, by weight op
         self._predicted_own: dict[str, float] = {}  # per weight op, for the settings in force
         # per tensor: (numel, {weight op: fan_in·‖δ‖²}, other ops' factor) per calibration
@@ -347,9 +351,10 @@ class ACGCPolicy(ACGCState, NoiseBudget, ModelCorrections, CalibratingPolicy):
         if self.codec == "bounded":
             self.bounds = bounded_bounds(sens, *args)
             return
+        args = (layer_sq, g_sq, e_sq, self.tensor_lam, self._own_scale, self.layer_share)
         meta_bits = 32 if self._meta.get("meta") == "bf16" else 64
         widths = quant_widths(
-            sens, self._variances, *args, self._raw_bits, meta_bits / self.group_size
+            sens, self._variances, *args, self._raw_bits, meta_bits / self.group_size, self._floors
         )
         self.site_bits = {**self.site_bits, **widths}
 

@@ -31,6 +31,7 @@ __all__ = [
 ]
 
 UNCONSTRAINED = 1e30  # bound for a tensor no gradient depends on
+ORDER = (*LADDER, KEEP)  # widths from the least to the most bits
 SAFE_WIDTH = 8  # width of a tensor no gradient depends on (see quant_widths)
 
 Sensitivity = tuple[int, dict[str, float], float]
@@ -110,21 +111,24 @@ def quant_widths(
     layer_sq: dict[str, float],
     g_sq: float,
     e_sq: float,
-    lam: float,
+    lam: Callable[[str], float],
     own_scale: Callable[[str], float],
     layer_share: float,
     raw_bits: dict[str, int],
     overhead: float,
+    floors: dict[str, int] | None = None,
 ) -> dict[str, int]:
     """Widths of the ``quant`` codec (``KEEP``: not compressed) for the tensors with a
     measured variance table (``variances[t][i]``: per-element variance at ``LADDER[i]``).
 
     Each tensor starts at the smallest width that meets its weight ops' own budgets (or
     ``KEEP`` if 8 bits do not); then greedy upgrades, best error reduction per added bit
-    first, bring Σ_t (w_t + λ·o_t)·v_t(b_t) within ``E · ‖g‖²``. A tensor no gradient
+    first, bring Σ_t (w_t + λ_t·o_t)·v_t(b_t) within ``E · ‖g‖²`` (``lam(t)``: λ of
+    tensor t's scope). A tensor no gradient
     depends on (sensitivity 0: its module's output gradient was exactly zero) is neither
     measured by the model nor by the gradient error, so it is kept at a safe 8 bits rather
-    than trusted to a model that has no reading for it.
+    than trusted to a model that has no reading for it. ``floors``: smallest width per
+    tensor from measured per-layer errors (:mod:`lightning_acgc.policies.acgc_floors`).
     """
     keys = sorted(k for k in sens if k in variances)
     sizes, errors, mins, raws = [], [], [], []
@@ -132,7 +136,7 @@ def quant_widths(
         n, weights, other = sens[key]
         v = dict(zip(LADDER, variances[key], strict=True))
         own, orphan = _own_budgets(weights, layer_sq, e_sq, own_scale, layer_share)
-        factor = sum(weights.values()) - orphan + lam * (other + orphan)
+        factor = sum(weights.values()) - orphan + lam(key) * (other + orphan)
         if factor <= 0:
             width = SAFE_WIDTH
         else:
@@ -144,9 +148,10 @@ def quant_widths(
                 ),
                 KEEP,
             )
+        floor = (floors or {}).get(key, LADDER[0])
         sizes.append(n)
         errors.append({b: factor * v[b] for b in LADDER})
-        mins.append(width)
+        mins.append(max(width, floor, key=ORDER.index))
         raws.append(raw_bits.get(key, 32))
     widths = allocate_to_error(sizes, errors, e_sq * g_sq, mins, raws, overhead)
     return dict(zip(keys, widths, strict=True))

@@ -13,7 +13,16 @@ saved tensors) are weighted by a correction λ. On every verified calibration ea
 module's own gradient error is measured against target · e²‖g_m‖²; a module over it by
 r tightens μ_m and λ by r (each the largest of its last ``history`` readings, rising at
 most 16x per reading). Modules whose gradient is below ``layer_floor`` of ‖g‖² are not
-held to e. The worst module's error is logged as ``layer_grad_error``, λ as ``lambda``.
+held to e. The worst module's error is logged as ``layer_grad_error``, the largest λ as
+``lambda``.
+
+λ is held per scope (a module's parent in the module tree): a module whose error through
+δ is over budget tightens the other-ops tensors saved inside its parent (attention's
+query and key gradients are made of the attention's own saved tensors — Q, K, the
+probabilities — not of the whole model's), and, once that scope's λ has risen
+``max_tightening``-fold without effect, its grandparent's too. A tensor's other-ops
+factor is weighted by the largest λ of the scopes around its module. A single global λ
+ran to 256 on BERT (query/key at 8-10x e) and cost every other tensor its width.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import math
 from collections import deque
 
 from lightning_acgc.policies.acgc_allocation import UNCONSTRAINED
+from lightning_acgc.policies.acgc_floors import parent, within
 from lightning_acgc.policies.bit_allocation import KEEP
 
 __all__ = ["ModelCorrections"]
@@ -30,7 +40,7 @@ __all__ = ["ModelCorrections"]
 class ModelCorrections:
     """Mixin of :class:`~lightning_acgc.policies.acgc.ACGCPolicy`: reads measured errors
     into κ, λ and μ_m, and logs them. Uses the policy's ``codec``, ``target``, ``error_target``,
-    ``history``, ``kappa``, ``_readings``, ``_layer_readings``, ``_own_readings``,
+    ``history``, ``kappa``, ``_readings``, ``_scope_readings``, ``_own_readings``,
     ``_predicted``, ``_predicted_own``, ``_own_ops`` and ``_metrics``."""
 
     layer_share = 0.5  # part of each layer's E‖g_W‖² that its weight op's input may use
@@ -42,8 +52,20 @@ class ModelCorrections:
 
     @property
     def lam(self) -> float:
-        """λ: the extra weight of the other ops' errors, from per-layer readings."""
-        return max(self._layer_readings, default=1.0)
+        """The largest λ over scopes (logged; the ``bounded`` codec's global weight)."""
+        return max((max(r, default=1.0) for r in self._scope_readings.values()), default=1.0)
+
+    def _scope_lam(self, scope: str) -> float:
+        return max(self._scope_readings.get(scope, ()), default=1.0)
+
+    def tensor_lam(self, key: str) -> float:
+        """λ for the tensor saved by site ``key`` ("module:index"): the largest λ of the
+        scopes that contain its module (the root scope "" contains every module)."""
+        module = key.rpartition(":")[0]
+        return max(
+            (self._scope_lam(s) for s in self._scope_readings if within(module, s)),
+            default=1.0,
+        )
 
     def _own_scale(self, module: str) -> float:
         """μ_m: the extra tightening of weight op ``module``'s own input."""
@@ -94,23 +116,40 @@ class ModelCorrections:
         self._metrics["layer_grad_error"] = math.sqrt(worst)
         if self._predicted is None or not needs:
             return  # the settings in force were not allocated this step (first step)
-        # Modules over budget set λ by their δ part (an over-budget module whose own input
-        # explains its error lets λ fall); with all within budget λ may fall to what the
-        # worst module leaves room for.
-        over = [through_delta[m] for m, r in needs.items() if r > 1]
-        lam_need = max(over) if over else max(needs.values())
-        self._add_reading(self._layer_readings, lam_need, 1.0, "")
+        # Per scope: the δ part of its over-budget modules (one whose own input explains
+        # its error lets λ fall), else the room its modules leave.
+        over: dict[str, float] = {}
+        room: dict[str, float] = {}
+        for module, r in needs.items():
+            scope = parent(module)
+            if r > 1 and self.codec == "bounded":
+                over[scope] = max(over.get(scope, 0.0), through_delta[module])
+                if scope and self._scope_lam(scope) >= self.max_tightening:
+                    # tightened 16x here without effect: the cause is further out
+                    outer = parent(scope)
+                    over[outer] = max(over.get(outer, 0.0), through_delta[module])
+            elif r <= 1:
+                room[scope] = max(room.get(scope, 0.0), r)
+        scope_need = {**room, **over}
+        if self.codec == "quant":
+            self._update_floors(needs, through_delta)
+        for scope in {*self._scope_readings, *scope_need}:
+            readings = self._scope_readings.setdefault(scope, deque(maxlen=self.history))
+            self._add_reading(readings, scope_need.get(scope, 0.0), 1.0, f"scope:{scope}")
         floor = 1.0 if self.codec == "bounded" else self.min_correction
         for module in self._own_ops:
             readings = self._own_readings.setdefault(module, deque(maxlen=self.history))
-            self._add_reading(readings, needs.get(module, 0.0), floor, module)
+            need = needs.get(module, 0.0)
+            if self.codec == "quant" and through_delta.get(module, 0.0) > 1:
+                need = min(need, 1.0)  # δ's part is over: the floors take it, μ_m holds
+            self._add_reading(readings, need, floor, module)
 
     def _add_reading(self, readings: deque[float], need: float, floor: float, key: str) -> None:
         """One reading of a per-layer correction (the largest of its ``readings``): the
         value times ``need`` would have put the layer on budget; kept within
         [max(floor, value / max_loosening), value · max_tightening], and above
         ``max_loosening`` times the largest value under which this correction's layer
-        (``key``; "" for λ) broke its budget (a memory that fades by
+        (``key``; "scope:<scope>" for λ) broke its budget (a memory that fades by
         ``violation_memory`` per calibration within budget). Falling at once made λ
         oscillate: back within e it dropped 16x, one site fell from 8 to 4 bits and the
         next calibration broke the promise by 16x. λ's floor is 1 (κ scales the whole model both
@@ -141,6 +180,7 @@ class ModelCorrections:
             sized = [(math.prod(r.shape), 32 if b == KEEP else b) for r, b in widths if r.shape]
             if sized:
                 m["avg_bits"] = sum(n * b for n, b in sized) / sum(n for n, _ in sized)
+            m["floors"] = float(len(self._floors))
         finite = [math.log10(b) for b in self.bounds.values() if b < UNCONSTRAINED]
         if finite:
             m["log10_bound"] = sum(finite) / len(finite)

@@ -23,12 +23,13 @@ class ACGCState:
             "codec": self.codec,
             "bounds": dict(self.bounds),
             "site_bits": dict(self.site_bits),
+            "floors": dict(self._floors),
             "variances": {k: list(v) for k, v in self._variances.items()},
             "raw_bits": dict(self._raw_bits),
             "kappa": self.kappa,
             "error_target": self.error_target,
             "readings": list(self._readings),
-            "layer_readings": list(self._layer_readings),
+            "scope_readings": {k: list(v) for k, v in self._scope_readings.items()},
             "own_readings": {m: list(v) for m, v in self._own_readings.items()},
             "sens": {k: list(v) for k, v in self._sens.items()},
             "grad_sq": list(self._grad_sq),
@@ -42,12 +43,14 @@ class ACGCState:
         # (checkpoints written before the quant codec or the per-layer check lack some)
         self.bounds = dict(state["bounds"])
         self.site_bits = {k: int(v) for k, v in state.get("site_bits", {}).items()}
+        self._floors = {k: int(v) for k, v in state.get("floors", {}).items()}
         self._variances = {k: list(v) for k, v in state.get("variances", {}).items()}
         self._raw_bits = dict(state.get("raw_bits", {}))
         self.kappa = float(state["kappa"])
         self.error_target = float(state.get("error_target", self.error_target))
         self._readings = deque(state["readings"], maxlen=self.history)
-        self._layer_readings = deque(state.get("layer_readings", ()), maxlen=self.history)
+        scopes = state.get("scope_readings", {"": state.get("layer_readings", ())})
+        self._scope_readings = {k: deque(v, maxlen=self.history) for k, v in scopes.items()}
         self._own_readings = {
             m: deque(v, maxlen=self.history) for m, v in state.get("own_readings", {}).items()
         }

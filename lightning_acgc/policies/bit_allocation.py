@@ -79,7 +79,9 @@ def allocate_to_error(
     """Widths from {1, 2, 4, 8, ``KEEP``} that bring the total error Σ errors[t][b_t]
     within ``budget`` for few bits Σ n_t·b_t: start every tensor at its ``min_widths``
     entry, then take, while over budget, the upgrade with the largest error reduction
-    per added bit (a tensor kept as it is costs ``raw_bits`` per element, no error).
+    per added bit (a tensor kept as it is costs ``raw_bits`` per element, no error);
+    then step back down by one width, most bits saved per error added first, each tensor
+    whose step down still fits in the budget.
 
     Args:
         sizes: elements n_t of each tensor.
@@ -120,4 +122,18 @@ def allocate_to_error(
         total += err(i, nxt) - err(i, widths[i])
         widths[i] = nxt
         push(i)
+    # Widths step coarsely (4 -> 8 bits: 289x less error), so the last upgrades can
+    # overshoot: give back, most bits saved per error added first, what still fits.
+    down = []
+    for i, b in enumerate(widths):
+        if b != min_widths[i] and sizes[i]:
+            lower = widths_up(min_widths[i])[widths_up(min_widths[i]).index(b) - 1]
+            added = err(i, lower) - err(i, b)
+            saved = sizes[i] * (cost(i, b) - cost(i, lower))
+            down.append((-saved / max(added, 1e-300), i, lower))
+    for _, i, lower in sorted(down):
+        added = err(i, lower) - err(i, widths[i])
+        if total + added <= budget:
+            total += added
+            widths[i] = lower
     return widths

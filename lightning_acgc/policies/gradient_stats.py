@@ -23,6 +23,10 @@ def weight_fan_in(module: nn.Module) -> int | None:
     """Fan-in of an op that computes a weight gradient from its saved input
     (``in_features`` for Linear, ``C_in/groups * prod(kernel)`` for conv); ``None`` else.
 
+    Other libraries' dense layers named ``Linear`` with a 2-D (out, in) ``weight``
+    (PyTorch Geometric's, inside GCNConv, SAGEConv, ...) count as Linear: without them
+    a GNN's weight ops were modelled only by the heuristic other-ops factor.
+
     Example:
         >>> weight_fan_in(nn.Conv2d(16, 32, 3)), weight_fan_in(nn.ReLU())
         (144, None)
@@ -31,6 +35,14 @@ def weight_fan_in(module: nn.Module) -> int | None:
         return module.in_features
     if isinstance(module, _CONV):
         return module.in_channels // module.groups * math.prod(module.kernel_size)
+    weight = getattr(module, "weight", None)
+    if (
+        type(module).__name__ == "Linear"
+        and isinstance(weight, nn.Parameter)
+        and not isinstance(weight, nn.parameter.UninitializedParameter)
+        and weight.dim() == 2
+    ):
+        return int(weight.shape[1])
     return None
 
 

@@ -1,0 +1,93 @@
+"""acgc's per-layer corrections with the ``quant`` codec: width floors on the tensors
+saved around a layer over budget, λ per scope, and weight ops of other libraries."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+from torch import nn
+
+from lightning_acgc.policies import ACGCPolicy
+from lightning_acgc.policies.bit_allocation import KEEP, LADDER
+from lightning_acgc.policies.gradient_stats import weight_fan_in
+
+
+def _variances(scale: float) -> list[float]:
+    return [scale / (2**b - 1) ** 2 for b in LADDER]
+
+
+def _policy() -> ACGCPolicy:
+    """Two attention-like scopes, each with a weight op ``q`` and two other-ops tensors:
+    ``big`` (large modelled error) and ``small``."""
+    policy = ACGCPolicy(gradient_error=0.1)
+    for scope in ("enc.0.attn", "enc.1.attn"):
+        for name, other in (("big", 100.0), ("small", 1.0)):
+            key = f"{scope}:{name}"
+            policy._sens[key] = deque([(1000, {}, other)])
+            policy._variances[key] = _variances(1.0)
+            policy.site_bits[key] = 2
+    return policy
+
+
+def test_floors_widen_the_tensors_around_the_layer_over_budget_only() -> None:
+    """The query of scope 0 is 10x over its budget through δ: scope 0's tensors are
+    widened until their modelled error falls 10x (the big one first), scope 1's not."""
+    policy = _policy()
+    needs = {"enc.0.attn.q": 10.0, "enc.1.attn.q": 0.5}
+    policy._update_floors(needs, through_delta=needs)
+    floors = policy._floors
+    assert set(floors) <= {"enc.0.attn:big", "enc.0.attn:small"}
+    assert LADDER.index(floors["enc.0.attn:big"]) > LADDER.index(2)
+
+    def modelled(width_of: dict[str, int]) -> float:
+        total = 0.0
+        for name, other in (("big", 100.0), ("small", 1.0)):
+            width = width_of.get(f"enc.0.attn:{name}", 2)
+            total += 0.0 if width == KEEP else other * _variances(1.0)[LADDER.index(width)]
+        return total
+
+    assert modelled(floors) <= modelled({}) / 10
+    # within budget with room for the 289x step: the floors loosen one step at a time
+    policy.site_bits.update(floors)
+    before = dict(floors)
+    policy._update_floors({"enc.0.attn.q": 1e-4}, through_delta={"enc.0.attn.q": 1e-4})
+    for key, width in policy._floors.items():
+        assert LADDER.index(width) == LADDER.index(before[key]) - 1
+
+
+def test_floors_enter_the_allocation() -> None:
+    policy = _policy()
+    policy._floors = {"enc.1.attn:small": 8}
+    policy._grad_sq.append(1.0)
+    policy._layer_grad_sq.append({})
+    policy._raw_bits = {k: 32 for k in policy._sens}
+    policy._allocate()
+    assert policy.site_bits["enc.1.attn:small"] == 8
+
+
+def test_lambda_is_held_per_scope() -> None:
+    policy = ACGCPolicy(gradient_error=0.1, codec="bounded")
+    policy._scope_readings = {"enc.0": deque([16.0]), "": deque([2.0])}
+    assert policy.tensor_lam("enc.0.attn:1") == 16.0
+    assert policy.tensor_lam("enc.1.attn:1") == 2.0
+    assert policy.lam == 16.0
+
+
+class Linear(nn.Module):
+    """Another library's dense layer (PyTorch Geometric's ``Linear``): not nn.Linear."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_out, n_in))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T
+
+
+def test_weight_ops_of_other_libraries_have_a_fan_in() -> None:
+    assert weight_fan_in(Linear(12, 5)) == 12
+    lazy = Linear(12, 5)
+    lazy.weight = nn.parameter.UninitializedParameter()
+    assert weight_fan_in(lazy) is None  # its input size is not known yet
+    assert weight_fan_in(nn.Tanh()) is None
