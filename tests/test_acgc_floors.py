@@ -8,7 +8,7 @@ from collections import deque
 import torch
 from torch import nn
 
-from lightning_acgc.policies import ACGCPolicy
+from lightning_acgc.policies import ACGCPolicy, build_policy
 from lightning_acgc.policies.bit_allocation import KEEP, LADDER
 from lightning_acgc.policies.gradient_stats import weight_fan_in
 
@@ -67,7 +67,7 @@ def test_floors_enter_the_allocation() -> None:
 
 
 def test_lambda_is_held_per_scope() -> None:
-    policy = ACGCPolicy(gradient_error=0.1, codec="bounded")
+    policy = build_policy("acgc", gradient_error=0.1, codec="bounded")
     policy._scope_readings = {"enc.0": deque([16.0]), "": deque([2.0])}
     assert policy.tensor_lam("enc.0.attn:1") == 16.0
     assert policy.tensor_lam("enc.1.attn:1") == 2.0

@@ -76,7 +76,22 @@ def test_acgc_short_run(case: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(
+            c,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="issue 13 open: with per-layer width floors the transformer at e=0.01 "
+                "measures 1.03-1.05e on 2 of 32 calibrations (94% within e, goal 99%)",
+            ),
+        )
+        if c == "transformer"
+        else c
+        for c in sorted(CASES)
+    ],
+)
 def test_acgc_few_hundred_steps(case: str) -> None:
     # At e = 0.2 the linear error model is far from valid (a fifth of the gradient is
     # error); there only the ratio's monotonicity and the final loss are asserted.

@@ -75,12 +75,6 @@ def test_soak_1000_steps(name: str) -> None:
         assert engine.stats.tensors_packed > 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ledger leak (engine/meter, the 'meter' helper's issue): a tensor kept uncompressed "
-    "is counted live until the tensor itself dies, so an input the caller still holds "
-    "stays in live_bytes after backward",
-)
 def test_ledger_with_held_input() -> None:
     model = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 8))
     engine = ActivationCompressor(build_policy("fixed", codec="quant", bits=4), model=model)
