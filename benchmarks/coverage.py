@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from lightning_acgc import CompressionStats, compress_activations
+from lightning_acgc import compress_activations
 
 GOALS = {"unet": 12.0, "gnn": 8.0, "gru": 4.0, "embbag": 4.0}
 
@@ -119,30 +119,13 @@ def _embbag() -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
 MODELS = {"unet": _unet, "gnn": _gnn, "gru": _gru, "embbag": _embbag}
 
 
-def _top_rows(stats: CompressionStats, top: int) -> str:
-    """The per-site table, cut to the ``top`` sites that keep the most bytes when there
-    are many (an RNN has one site per step and tensor), plus the rest summed."""
-    if len(stats.sites) <= 2 * top:
-        return stats.table()
-    lines = stats.table().splitlines()
-    head, body, total = lines[:2], lines[2:-1], lines[-1]
-    order = sorted(stats.sites.values(), key=lambda r: r.packed_bytes, reverse=True)
-    keep = {r.key for r in order[:top]}
-    rows = [ln for ln, r in zip(body, stats.sites.values(), strict=True) if r.key in keep]
-    rest = order[top:]
-    raw, packed = sum(r.raw_bytes for r in rest), sum(r.packed_bytes for r in rest)
-    label = f"({len(rest)} more sites)"
-    summary = f"{label:<40} {'':<22} {'':<9} {'':<22} {raw / 2**20:>10.3f} {packed / 2**20:>10.3f}"
-    return "\n".join([*head, *rows, summary, total])
-
-
 def measure(name: str, top: int = 8, **settings: object) -> tuple[float, str]:
     """(ratio, per-site table) of one forward/backward of model ``name``."""
     torch.manual_seed(0)
     model, loss = MODELS[name]()
     with compress_activations(codec="quant", bits=2, model=model, **settings) as stats:
         loss(model).backward()
-    return stats.ratio, _top_rows(stats, top)
+    return stats.ratio, stats.table(top=top)  # the largest sites, the rest counted
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_acgc.codecs import build_codec
+from lightning_acgc.policies.fixed import FixedPolicy
 
 INT_DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
 
@@ -83,16 +84,18 @@ def test_intpack_rejects_bad_group_size() -> None:
         build_codec("intpack", {"group_size": 7})
 
 
+class FloatsRaw(FixedPolicy):
+    """Compresses no float tensor (the engine still packs integers with ``intpack``)."""
+
+    def codec_for(self, site, x):  # type: ignore[no-untyped-def]
+        return None
+
+
 def test_engine_packs_pooling_indices_losslessly() -> None:
     """The engine routes saved integer tensors (MaxPool's indices) to ``intpack``: with
     the floats kept raw (a policy that compresses no float), gradients stay
     bit-identical and the indices shrink."""
     from lightning_acgc import compress_activations
-    from lightning_acgc.policies.fixed import FixedPolicy
-
-    class FloatsRaw(FixedPolicy):
-        def codec_for(self, site, x):  # type: ignore[no-untyped-def]
-            return None
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -178,7 +181,7 @@ def test_engine_packs_a_shared_edge_index_once() -> None:
 
     intpack_module._Source.view = counting
     try:
-        with compress_activations(codec="identity", min_numel=0, model=lins) as stats:
+        with compress_activations(policy=FloatsRaw(), min_numel=0, model=lins) as stats:
             forward().backward()
     finally:
         intpack_module._Source.view = real
