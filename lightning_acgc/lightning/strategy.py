@@ -70,7 +70,23 @@ def _connect_compression(model: LightningModule, compression: ActivationCompress
         trainer.callbacks.append(callback)
 
 
-class ACGCStrategy(CompressionScopeMixin, SingleDeviceStrategy):
+class _CompressionStrategy(CompressionScopeMixin):
+    """What every compression strategy adds to its Lightning parent: a ``compression``
+    argument, and on ``connect`` an ActivationCompression among the trainer's callbacks."""
+
+    def __init__(
+        self, *args: Any, compression: ActivationCompression | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._compression = compression
+
+    @override
+    def connect(self, model: LightningModule) -> None:
+        super().connect(model)  # type: ignore[misc]
+        _connect_compression(model, self._compression)
+
+
+class ACGCStrategy(_CompressionStrategy, SingleDeviceStrategy):
     """Single-device strategy that compresses the activations of ``training_step``.
 
     Args:
@@ -100,9 +116,10 @@ class ACGCStrategy(CompressionScopeMixin, SingleDeviceStrategy):
         compression: ActivationCompression | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(device="cpu" if device is None else device, **kwargs)
+        super().__init__(
+            device="cpu" if device is None else device, compression=compression, **kwargs
+        )
         self._device_given = device is not None
-        self._compression = compression
 
     @property
     def parallel_devices(self) -> list[torch.device] | None:
@@ -121,13 +138,8 @@ class ACGCStrategy(CompressionScopeMixin, SingleDeviceStrategy):
         self._root_device = devices[0]
         self._device_given = True
 
-    @override
-    def connect(self, model: LightningModule) -> None:
-        super().connect(model)
-        _connect_compression(model, self._compression)
 
-
-class ACGCDDPStrategy(CompressionScopeMixin, DDPStrategy):
+class ACGCDDPStrategy(_CompressionStrategy, DDPStrategy):
     """DDP strategy that compresses the activations of ``training_step`` on every rank.
 
     Codec settings are identical on every rank: policies calibrate from statistics
@@ -148,17 +160,8 @@ class ACGCDDPStrategy(CompressionScopeMixin, DDPStrategy):
 
     strategy_name = "acgc_ddp"
 
-    def __init__(self, *, compression: ActivationCompression | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._compression = compression
 
-    @override
-    def connect(self, model: LightningModule) -> None:
-        super().connect(model)
-        _connect_compression(model, self._compression)
-
-
-class ACGCFSDPStrategy(CompressionScopeMixin, FSDPStrategy):
+class ACGCFSDPStrategy(_CompressionStrategy, FSDPStrategy):
     """FSDP strategy that compresses the activations of ``training_step`` on every rank.
 
     Needs CUDA like Lightning's FSDP. The exact-gradient pass of calibrating policies is
@@ -175,15 +178,6 @@ class ACGCFSDPStrategy(CompressionScopeMixin, FSDPStrategy):
     """
 
     strategy_name = "acgc_fsdp"
-
-    def __init__(self, *, compression: ActivationCompression | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._compression = compression
-
-    @override
-    def connect(self, model: LightningModule) -> None:
-        super().connect(model)
-        _connect_compression(model, self._compression)
 
 
 def register_acgc_strategies() -> None:
