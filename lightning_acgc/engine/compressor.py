@@ -145,6 +145,8 @@ class ActivationCompressor:
         self.step = 0
         self._mask_codec = MaskCodec(MaskConfig())
         self._int_codec = IntPackCodec(IntPackConfig())  # integers: lossless
+        # the engine's own codecs, described without asking the policy
+        self._fixed_settings = {id(self._mask_codec): "1 bit", id(self._int_codec): "lossless"}
         self._resident: set[int] = set()
         self._ledger = Ledger(self.stats, self._check_budget)
         self._dedup: dict[tuple, tuple[Any, weakref.ReferenceType]] = {}
@@ -243,14 +245,22 @@ class ActivationCompressor:
                 )
 
     def _keep(
-        self, site: SiteInfo, t: torch.Tensor, key: tuple, raw: int, why: str, name: str = "kept"
+        self,
+        site: SiteInfo,
+        t: torch.Tensor,
+        key: tuple,
+        ref: Any,
+        raw: int,
+        why: str,
+        name: str = "kept",
     ) -> _Saved:
-        """Hold ``t`` as it is; its storage is charged once however many views are kept."""
+        """Hold ``t`` as it is; its storage (``ref``) is charged once however many views
+        are kept."""
         saved = _Saved(None, None, site.key, name, raw=t.detach())
-        kept = self._ledger.hold_raw(saved, t)
+        kept = self._ledger.hold_raw(saved, t, ref)
         self.stats.tensors_kept += 1
         self.stats.packed_bytes += kept
-        self._dedup[key] = (storage_ref(t), weakref.ref(saved))
+        self._dedup[key] = (ref, weakref.ref(saved))
         self._record(site, t, name, why, raw, kept)
         return saved
 
@@ -265,15 +275,16 @@ class ActivationCompressor:
         # The storage's identity (kept from reuse by the weak reference in ``_dedup``)
         # and the view: a Linear on a 3-D input saves a fresh 2-D view each call, so the
         # q, k and v projections of one hidden state share one holder.
+        ref = storage_ref(t)  # one weak reference per pack: key, ledger and dedup share it
         key = (
-            storage_ref(t).cdata,
+            ref.cdata,
             t.storage_offset(),
             tuple(t.shape),
             t.stride(),
             t.dtype,
             t._version,
         )
-        raw = self._ledger.count_saved(t)
+        raw = self._ledger.count_saved(t, ref)
         # A tensor already taken this step is shared, whatever this site would choose.
         refs = self._dedup.get(key)
         saved = refs[1]() if refs is not None else None
@@ -283,23 +294,23 @@ class ActivationCompressor:
             saved.pending += 1
             return saved
         if not t.is_floating_point() and getattr(self.policy, "control", False):
-            return self._keep(site, t, key, raw, "control")  # identity: nothing compressed
+            return self._keep(site, t, key, ref, raw, "control")  # identity: nothing compressed
         if t.dtype == torch.bool:
             if not self.compress_masks or t.numel() < self.min_numel:
-                return self._keep(site, t, key, raw, "bool")
+                return self._keep(site, t, key, ref, raw, "bool")
             codec = self._mask_codec
         elif not t.is_floating_point():
             if t.numel() < self.min_numel:
-                return self._keep(site, t, key, raw, "tiny")
+                return self._keep(site, t, key, ref, raw, "tiny")
             codec = self._int_codec
         elif t.numel() < self.min_numel:
-            return self._keep(site, t, key, raw, "tiny")
+            return self._keep(site, t, key, ref, raw, "tiny")
         else:
             codec = self.policy.codec_for(site, t)
             if codec is None:
-                return self._keep(site, t, key, raw, "policy")
+                return self._keep(site, t, key, ref, raw, "policy")
             if codec.name == "identity":
-                return self._keep(site, t, key, raw, "raw", name="identity")
+                return self._keep(site, t, key, ref, raw, "raw", name="identity")
         part, layout = compact(t.detach())
         try:
             packed = codec.encode(part, self._seed_for(site))
@@ -314,17 +325,16 @@ class ActivationCompressor:
                 )
             packed = None
         if packed is None:
-            return self._keep(site, t, key, raw, f"{codec.name} declined")
+            return self._keep(site, t, key, ref, raw, f"{codec.name} declined")
         nbytes = packed.nbytes
         if nbytes >= part.numel() * part.element_size():
-            return self._keep(site, t, key, raw, f"{codec.name} not smaller")
+            return self._keep(site, t, key, ref, raw, f"{codec.name} not smaller")
         saved = _Saved(packed, codec, site.key, codec.name, layout=layout)
         self._ledger.hold_packed(saved, nbytes)
         self.stats.tensors_packed += 1
         self.stats.packed_bytes += nbytes
-        self._dedup[key] = (storage_ref(t), weakref.ref(saved))
-        fixed = {id(self._mask_codec): "1 bit", id(self._int_codec): "lossless"}
-        settings = fixed.get(id(codec)) or self.policy.describe(codec)
+        self._dedup[key] = (ref, weakref.ref(saved))
+        settings = self._fixed_settings.get(id(codec)) or self.policy.describe(codec)
         self._record(site, t, codec.name, settings, raw, nbytes)
         if self.packed_log is not None:
             self.packed_log.append(packed)

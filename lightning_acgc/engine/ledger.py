@@ -76,10 +76,10 @@ class Ledger:
         until autograd drops them)."""
         self._seen.clear()
 
-    def count_saved(self, t: torch.Tensor) -> int:
+    def count_saved(self, t: torch.Tensor, ref: StorageWeakRef | None = None) -> int:
         """Bytes of ``t``'s storage if this step has not saved that storage yet, else 0;
-        added to ``stats.saved_bytes``."""
-        ref = storage_ref(t)
+        added to ``stats.saved_bytes``. ``ref``: ``storage_ref(t)`` if the caller has it."""
+        ref = ref if ref is not None else storage_ref(t)
         if ref.cdata in self._seen:
             return 0
         self._seen[ref.cdata] = ref
@@ -87,9 +87,10 @@ class Ledger:
         self.stats.saved_bytes += nbytes
         return nbytes
 
-    def hold_raw(self, holder: object, t: torch.Tensor) -> int:
-        """Charge ``holder``, which keeps ``t`` raw, by storage; returns the bytes added."""
-        ref = storage_ref(t)
+    def hold_raw(self, holder: object, t: torch.Tensor, ref: StorageWeakRef | None = None) -> int:
+        """Charge ``holder``, which keeps ``t`` raw, by storage; returns the bytes added.
+        ``ref``: ``storage_ref(t)`` if the caller has it."""
+        ref = ref if ref is not None else storage_ref(t)
         entry = self._raw.get(ref.cdata)
         added = 0
         if entry is None or not entry.holders:
