@@ -188,6 +188,7 @@ class ACGCPolicy(ACGCState, NoiseBudget, ScopeFloors, ModelCorrections, Calibrat
         self._readings: deque[float] = deque(maxlen=history)
         self._scope_readings: dict[str, deque[float]] = {}  # λ's, by module scope
         self._own_readings: dict[str, deque[float]] = {}  # μ_m's, by weight op
+        self._violated: dict[str, float] = {}  # per correction: a value that broke its budget
         self._predicted_own: dict[str, float] = {}  # per weight op, for the settings in force
         # per tensor: (numel, {weight op: fan_in·‖δ‖²}, other ops' factor) per calibration
         self._sens: dict[str, deque[tuple[int, dict[str, float], float]]] = {}

@@ -158,9 +158,7 @@ class ModelCorrections:
         value = max(readings, default=1.0)
         # A value under which the layer broke its budget is not tried again soon (widths
         # are discrete: 2x looser can mean 8 -> 4 bits, 289x the error).
-        violated = getattr(self, "_violated", None)
-        if violated is None:
-            violated = self._violated = {}
+        violated = self._violated
         if need > 1:
             violated[key] = max(violated.get(key, 0.0), value)
         elif key in violated:

@@ -31,6 +31,7 @@ class ACGCState:
             "readings": list(self._readings),
             "scope_readings": {k: list(v) for k, v in self._scope_readings.items()},
             "own_readings": {m: list(v) for m, v in self._own_readings.items()},
+            "violated": dict(self._violated),
             "sens": {k: list(v) for k, v in self._sens.items()},
             "grad_sq": list(self._grad_sq),
             "noise_sq": list(self._noise_sq),
@@ -51,6 +52,7 @@ class ACGCState:
         self._readings = deque(state["readings"], maxlen=self.history)
         scopes = state.get("scope_readings", {"": state.get("layer_readings", ())})
         self._scope_readings = {k: deque(v, maxlen=self.history) for k, v in scopes.items()}
+        self._violated = dict(state.get("violated", {}))
         self._own_readings = {
             m: deque(v, maxlen=self.history) for m, v in state.get("own_readings", {}).items()
         }
