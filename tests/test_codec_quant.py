@@ -8,9 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_acgc.codecs import build_codec
+from lightning_acgc.codecs.quant import QuantCodec, QuantWidthConfig
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-BITS = [1, 2, 4, 8]
+BITS = [1, 2, 3, 4, 5, 6, 7, 8]  # users set 1, 2, 4, 8; acgc any width
 
 
 @st.composite
@@ -41,7 +42,10 @@ def tensors(draw: st.DrawFn, allow_special: bool = True) -> torch.Tensor:
 
 
 def _roundtrip(codec_name: str, x: torch.Tensor, seed: int = 0, **options):
-    codec = build_codec(codec_name, options)
+    if codec_name == "quant":  # every width, as acgc builds them
+        codec = QuantCodec(QuantWidthConfig(**options))
+    else:
+        codec = build_codec(codec_name, options)
     packed = codec.encode(x, seed)
     return packed, codec.decode(packed)
 
@@ -73,7 +77,7 @@ def test_quant_within_one_step_and_keeps_specials(x: torch.Tensor, bits: int, gr
 
 
 @settings(max_examples=40, deadline=None)
-@given(x=tensors(allow_special=False), bits=st.sampled_from([2, 4, 8]))
+@given(x=tensors(allow_special=False), bits=st.sampled_from([2, 3, 4, 5, 8]))
 def test_quant_keeps_zeros_and_signs_of_nonnegative_data(x: torch.Tensor, bits: int) -> None:
     x = x.clamp(min=0)
     _, y = _roundtrip("quant", x, bits=bits)
@@ -227,13 +231,21 @@ def test_quant_bf16_meta_costs_32_bits_per_group_and_is_kept_exact_enough() -> N
     assert packed.payload["lo"].dtype == torch.float32
 
 
-@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
 def test_quant_bf16_meta_is_unbiased_over_seeds(bits: int) -> None:
     x = torch.cat([torch.randn(1000) * 3 + 1, torch.randn(1000).relu()])
     ys = [_roundtrip("quant", x, s, bits=bits, meta="bf16")[1].double() for s in range(400)]
     mean = torch.stack(ys).mean(0)
     step = (x.double().max() - x.double().min()) / (2**bits - 1)
     assert (mean - x.double()).mean().abs().item() < 0.01 * step.item()
+
+
+def test_widths_other_than_1_2_4_8_are_for_policies_not_users() -> None:
+    with pytest.raises(ValueError, match=r"bits=3 is not allowed; allowed values: \[1, 2, 4, 8\]"):
+        build_codec("quant", {"bits": 3})
+    with pytest.raises(ValueError, match=r"bits=9 is not allowed; allowed values: \[1, 2, 3, 4"):
+        QuantWidthConfig(bits=9)
+    assert build_codec("quant", QuantWidthConfig(bits=5)).config.bits == 5
 
 
 def test_quant_meta_rejects_unknown_format() -> None:

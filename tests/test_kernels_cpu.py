@@ -43,7 +43,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 
 @pytest.mark.parametrize("meta", ["fp32", "bf16"])
-@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("name", list(_inputs()))
 def test_quant_cpu_bit_identical_to_reference(name: str, bits: int, meta: str) -> None:
     x = _inputs()[name]

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-ALLOWED_BITS = (1, 2, 4, 8)
+ALLOWED_BITS = (1, 2, 4, 8)  # what a user may set as ``bits``
+QUANT_WIDTHS = tuple(range(1, 9))  # what the ``quant`` codec stores (acgc picks any)
 BACKENDS = ("auto", "torch", "triton")
 
 
-def check_bits(field: str, value: int) -> None:
-    if isinstance(value, bool) or value not in ALLOWED_BITS:
-        raise ValueError(f"{field}={value!r} is not allowed; allowed values: {list(ALLOWED_BITS)}")
+def check_bits(field: str, value: int, allowed: tuple[int, ...] = ALLOWED_BITS) -> None:
+    if isinstance(value, bool) or value not in allowed:
+        raise ValueError(f"{field}={value!r} is not allowed; allowed values: {list(allowed)}")
 
 
 def check_positive(field: str, value: float) -> None:

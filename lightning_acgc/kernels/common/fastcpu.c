@@ -88,13 +88,13 @@ static inline uint8_t code_of(float v, uint32_t il, uint32_t kh, float l, float 
 
 /* Stochastic rounding and packing of the padded G * gs array (element i >= n has value
  * x[n-1]) with the per-group lo, inv (1 / step, 0 for a zero step), top and zk (zero-kept);
- * see code_of. Codes of 8 / bits per byte, code k at bit bits * k. */
+ * see code_of. A little-endian bit stream of bits-bit codes (1..8 bits): 8 codes fill
+ * bits bytes, code k at bit bits * k. */
 void acgc_quant_pack(const float *x, int64_t n, int64_t gs, int bits, const float *lo,
                      const float *inv, const float *top, const uint8_t *zk, uint32_t key,
                      uint8_t *codes, int nthreads) {
     int64_t groups = (n + gs - 1) / gs;
-    int per = 8 / bits;
-    int64_t gbytes = gs / per;
+    int64_t gbytes = gs * bits / 8;
 #pragma omp parallel for schedule(static) num_threads(THREADS(n))
     for (int64_t g = 0; g < groups; g++) {
         float l = lo[g], iv = inv[g], tp = top[g];
@@ -119,7 +119,7 @@ void acgc_quant_pack(const float *x, int64_t n, int64_t gs, int bits, const floa
                     q[j] = code_of(j < valid ? p[j] : x[n - 1], (uint32_t)i, kh, l, iv, tp, z);
                 }
             }
-            uint8_t *out = codes + g * gbytes + c0 / per;
+            uint8_t *out = codes + g * gbytes + c0 * bits / 8;
             if (bits == 8) {
                 memcpy(out, q, len);
             } else if (bits == 4) {
@@ -128,11 +128,17 @@ void acgc_quant_pack(const float *x, int64_t n, int64_t gs, int bits, const floa
                 for (int64_t b = 0; b < len / 4; b++)
                     out[b] = q[4 * b] | (q[4 * b + 1] << 2) | (q[4 * b + 2] << 4) |
                              (q[4 * b + 3] << 6);
-            } else {
+            } else if (bits == 1) {
                 for (int64_t b = 0; b < len / 8; b++) {
                     uint8_t byte = 0;
                     for (int k = 0; k < 8; k++) byte |= (uint8_t)(q[8 * b + k] << k);
                     out[b] = byte;
+                }
+            } else { /* 3, 5, 6, 7 bits: 8 codes -> one word -> its bits low bytes */
+                for (int64_t b = 0; b < len / 8; b++) {
+                    uint64_t word = 0;
+                    for (int k = 0; k < 8; k++) word |= (uint64_t)q[8 * b + k] << (k * bits);
+                    for (int j = 0; j < bits; j++) out[b * bits + j] = (uint8_t)(word >> (8 * j));
                 }
             }
         }
@@ -144,7 +150,7 @@ void acgc_quant_pack(const float *x, int64_t n, int64_t gs, int bits, const floa
 void acgc_quant_unpack(const uint8_t *codes, int64_t n, int64_t gs, int bits, const float *lo,
                        const float *step, const uint8_t *zk, float *out, int nthreads) {
     int64_t groups = (n + gs - 1) / gs;
-    int per = 8 / bits;
+    int per = 8 % bits ? 0 : 8 / bits; /* codes per byte; 0: a width that spans bytes */
     int mask = (1 << bits) - 1;
 #pragma omp parallel for schedule(static) num_threads(THREADS(n))
     for (int64_t g = 0; g < groups; g++) {
@@ -152,15 +158,25 @@ void acgc_quant_unpack(const uint8_t *codes, int64_t n, int64_t gs, int bits, co
         int z = zk[g];
         float zf = (float)z;
         int64_t len = (g + 1) * gs <= n ? gs : n - g * gs;
-        const uint8_t *src = codes + g * (gs / per);
+        const uint8_t *src = codes + g * (gs * bits / 8);
         float *dst = out + g * gs;
         float c[CHUNK];
         for (int64_t c0 = 0; c0 < len; c0 += CHUNK) {
             int64_t m = len - c0 < CHUNK ? len - c0 : CHUNK;
-            int64_t mb = (m + per - 1) / per;
-            const uint8_t *s = src + c0 / per;
-            for (int64_t b = 0; b < mb; b++)
-                for (int k = 0; k < per; k++) c[b * per + k] = (float)((s[b] >> (bits * k)) & mask);
+            const uint8_t *s = src + c0 * bits / 8;
+            if (per) {
+                int64_t mb = (m + per - 1) / per;
+                for (int64_t b = 0; b < mb; b++)
+                    for (int k = 0; k < per; k++)
+                        c[b * per + k] = (float)((s[b] >> (bits * k)) & mask);
+            } else { /* whole 8-code words of bits bytes (groups are multiples of 8) */
+                for (int64_t b = 0; b < (m + 7) / 8; b++) {
+                    uint64_t word = 0;
+                    for (int j = 0; j < bits; j++) word |= (uint64_t)s[b * bits + j] << (8 * j);
+                    for (int k = 0; k < 8; k++)
+                        c[8 * b + k] = (float)((uint32_t)(word >> (k * bits)) & (uint32_t)mask);
+                }
+            }
             if (z) {
                 for (int64_t j = 0; j < m; j++) {
                     float v = fmaf(c[j] - zf, st, l);

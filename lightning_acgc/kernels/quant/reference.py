@@ -260,5 +260,10 @@ def quant_decode_ref(
         out = torch.addcmul(out.new_zeros(()), out, keep)
     else:
         out = torch.addcmul(lo[:, None], qf, step[:, None])
-    flat = out.view(-1)[:numel].to(dtype)
-    return restore_exceptions(flat, payload["exc_idx"], payload["exc_val"])
+    flat = out.view(-1)[:numel]
+    if flat.dtype == torch.float64 and dtype != torch.float64:
+        # lo + top * step rounds a hair past the largest float (the step was rounded up):
+        # every value was finite, so it decodes to one (the clamp only moves toward it)
+        big = torch.finfo(torch.float32).max
+        flat = flat.clamp(-big, big)
+    return restore_exceptions(flat.to(dtype), payload["exc_idx"], payload["exc_val"])

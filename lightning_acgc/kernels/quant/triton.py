@@ -55,7 +55,7 @@ __all__ = ["quant_decode_triton", "quant_encode_triton"]
 
 _IN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_ALLOWED_BITS = (1, 2, 4, 8)
+_ALLOWED_BITS = tuple(range(1, 9))  # the codec's widths (users pick 1, 2, 4 or 8)
 
 
 def _check_config(bits: int, group_size: int) -> None:
@@ -158,7 +158,7 @@ def quant_encode_triton(
     Args:
         x: non-empty contiguous float32/float16/bfloat16 tensor on a CUDA device (or any
             device under ``TRITON_INTERPRET=1``).
-        bits: bits per code, 1, 2, 4 or 8.
+        bits: bits per code, 1 to 8.
         group_size: values per group, a positive multiple of 8.
         seed: Philox seed of the stochastic rounding.
         noise: optional float32 ``(G, group_size)`` U[0, 1) noise used instead of the
@@ -220,7 +220,7 @@ def quant_decode_triton(
 
     Args:
         payload: ``codes``, ``lo``, ``scale``, ``exc_idx``, ``exc_val`` as the encoders write.
-        bits: bits per code, 1, 2, 4 or 8.
+        bits: bits per code, 1 to 8.
         group_size: values per group, a positive multiple of 8.
         numel: values to decode (the original tensor's ``numel``).
         dtype: output dtype (float32, float16, bfloat16 or float64).

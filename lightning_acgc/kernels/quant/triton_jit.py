@@ -23,7 +23,7 @@ _OK, _FLOAT64, _NONFINITE = 0, 1, 2
 def _quant_encode_kernel(
     x_ptr,  # *fp32|fp16|bf16 [numel], contiguous input
     noise_ptr,  # *fp32 [n_groups, GROUP] injected U[0,1) noise; read only if USE_NOISE
-    codes_ptr,  # *u8 [n_groups * GROUP * BITS // 8] packed codes (out)
+    codes_ptr,  # *u8 [n_groups * GROUP * BITS // 8] bit stream of the codes (out)
     lo_ptr,  # *fp32 [n_groups] value of code 0, of code 1 in zero-kept groups (out)
     scale_ptr,  # *fp32 [n_groups] step between codes, sign bit set if zero-kept (out)
     status_ptr,  # *u8 [n_groups] 0 ok, 1 needs float64 (see below), 2 NaN/inf inside (out)
@@ -32,7 +32,7 @@ def _quant_encode_kernel(
     seed,  # Philox seed (non-negative, < 2**63)
     GROUP: tl.constexpr,  # group size, a multiple of 8
     GROUP_P2: tl.constexpr,  # next power of two >= GROUP (block width)
-    BITS: tl.constexpr,  # 1, 2, 4 or 8
+    BITS: tl.constexpr,  # 1 to 8
     GPP: tl.constexpr,  # groups per program (block height), a power of two
     USE_NOISE: tl.constexpr,  # read noise_ptr instead of drawing Philox noise
     IDX64: tl.constexpr,  # element indices need 64 bits
@@ -91,6 +91,18 @@ def _quant_encode_kernel(
 
     if BITS == 8:
         tl.store(codes_ptr + idx, qi.to(tl.uint8), mask=ok)
+    elif 8 % BITS != 0:
+        # 3, 5, 6, 7 bits: 8 codes -> one word, code k at bit BITS * k -> its BITS low bytes
+        NW: tl.constexpr = GROUP // 8
+        NW_P2: tl.constexpr = GROUP_P2 // 8
+        q3 = tl.reshape(qi.to(tl.int64), (GPP, NW_P2, 8))
+        wshift = (tl.arange(0, 8) * BITS).to(tl.int64)
+        word = tl.sum(q3 << wshift[None, None, :], axis=2)  # disjoint bits: sum == or
+        wcols = tl.arange(0, NW_P2)
+        wok = row_ok[:, None] & (wcols < NW)[None, :]
+        wbase = rows[:, None] * (NW * BITS) + wcols[None, :] * BITS
+        for j in tl.static_range(BITS):
+            tl.store(codes_ptr + wbase + j, ((word >> (8 * j)) & 255).to(tl.uint8), mask=wok)
     else:
         PER: tl.constexpr = 8 // BITS  # codes per byte; code k at bit BITS * k
         NB: tl.constexpr = GROUP // PER  # bytes per group
@@ -121,27 +133,45 @@ def _quant_decode_kernel(
     n_groups,  # groups in the payload
     GROUP: tl.constexpr,  # group size, a multiple of 8
     GROUP_P2: tl.constexpr,  # next power of two >= GROUP
-    BITS: tl.constexpr,  # 1, 2, 4 or 8
+    BITS: tl.constexpr,  # 1 to 8
     GPP: tl.constexpr,  # groups per program, a power of two
     IDX64: tl.constexpr,  # element indices need 64 bits
     OUT_KIND: tl.constexpr,  # out_ptr holds 0 float32, 1 float16, 2 bfloat16 bits, 3 float64
 ):
-    PER: tl.constexpr = 8 // BITS
-    NB: tl.constexpr = GROUP // PER
-    NB_P2: tl.constexpr = GROUP_P2 // PER
     pid = tl.program_id(0)
     rows = pid * GPP + tl.arange(0, GPP)
     if IDX64:
         rows = rows.to(tl.int64)
     row_ok = rows < n_groups
-    bcols = tl.arange(0, NB_P2)
-    bidx = rows[:, None] * NB + bcols[None, :]
-    bok = row_ok[:, None] & (bcols < NB)[None, :]
-    byte = tl.load(codes_ptr + bidx, mask=bok, other=0).to(tl.int32)
-    k = tl.arange(0, PER)
-    q = (byte[:, :, None] >> (k * BITS)[None, None, :]) & ((1 << BITS) - 1)  # [GPP, NB_P2, PER]
-    idx = bidx[:, :, None] * PER + k[None, None, :]  # == row * GROUP + col
-    ok = bok[:, :, None] & (idx < numel)
+    if 8 % BITS != 0:
+        # 3, 5, 6, 7 bits: words of 8 codes in BITS bytes, code k at bit BITS * k
+        NW: tl.constexpr = GROUP // 8
+        NW_P2: tl.constexpr = GROUP_P2 // 8
+        wcols = tl.arange(0, NW_P2)
+        wok = row_ok[:, None] & (wcols < NW)[None, :]
+        wbase = rows[:, None] * (NW * BITS) + wcols[None, :] * BITS
+        word = tl.zeros((GPP, NW_P2), dtype=tl.int64)
+        for j in tl.static_range(BITS):
+            b = tl.load(codes_ptr + wbase + j, mask=wok, other=0).to(tl.int64)
+            word = word | (b << (8 * j))
+        k = tl.arange(0, 8)
+        q = ((word[:, :, None] >> (k * BITS).to(tl.int64)[None, None, :]) & ((1 << BITS) - 1)).to(
+            tl.int32
+        )  # [GPP, NW_P2, 8]
+        idx = (rows[:, None] * GROUP + wcols[None, :] * 8)[:, :, None] + k[None, None, :]
+        ok = wok[:, :, None] & (idx < numel)
+    else:
+        PER: tl.constexpr = 8 // BITS
+        NB: tl.constexpr = GROUP // PER
+        NB_P2: tl.constexpr = GROUP_P2 // PER
+        bcols = tl.arange(0, NB_P2)
+        bidx = rows[:, None] * NB + bcols[None, :]
+        bok = row_ok[:, None] & (bcols < NB)[None, :]
+        byte = tl.load(codes_ptr + bidx, mask=bok, other=0).to(tl.int32)
+        k = tl.arange(0, PER)
+        q = (byte[:, :, None] >> (k * BITS)[None, None, :]) & ((1 << BITS) - 1)  # [GPP, NB_P2, PER]
+        idx = bidx[:, :, None] * PER + k[None, None, :]  # == row * GROUP + col
+        ok = bok[:, :, None] & (idx < numel)
 
     lo = tl.load(lo_ptr + rows, mask=row_ok, other=0.0)
     scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
@@ -158,6 +188,9 @@ def _quant_decode_kernel(
         )
         w = tl.where(exact_zero, 0.0, w)
         if OUT_KIND != 3:
+            # values were finite: one rounded a hair past float32's largest stays finite
+            big = 3.4028234663852886e38
+            w = tl.where(w > big, big, tl.where(w < -big, -big, w))  # NaN stays NaN
             w = w.to(tl.float32)  # torch narrows float64 to half types through float32
         tl.store(out_ptr + idx, store_narrow(w, OUT_KIND), mask=ok)
     else:
