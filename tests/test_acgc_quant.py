@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_acgc.codecs.quant import QuantCodec, QuantConfig
+from lightning_acgc.codecs.quant import QuantCodec, QuantWidthConfig
 from lightning_acgc.engine import ActivationCompressor, EngineSettings, compressed_step
 from lightning_acgc.policies import ACGCPolicy, build_policy
 from lightning_acgc.policies.bit_allocation import KEEP, LADDER, allocate_to_error
@@ -18,7 +18,7 @@ from tests.test_policies import _train
 
 
 def _codec_error(x: torch.Tensor, bits: int) -> float:
-    codec = QuantCodec(QuantConfig(bits=bits, group_size=256))
+    codec = QuantCodec(QuantWidthConfig(bits=bits, group_size=256))
     errs = [(codec.decode(codec.encode(x, seed=s)) - x).double().square().mean() for s in range(8)]
     return float(sum(errs) / len(errs))
 
@@ -43,7 +43,7 @@ def test_sr_variance_is_the_codecs_error() -> None:
 
 
 def test_allocation_gives_more_bits_to_the_more_sensitive_tensor() -> None:
-    v = [1.0, 0.1, 0.005, 2e-5]  # per-element variance at 1, 2, 4, 8 bits
+    v = [1.0 / (2**b - 1) ** 2 for b in LADDER]  # per-element variance at each width
     errors = [{b: c * x for b, x in zip(LADDER, v, strict=True)} for c in (1.0, 100.0)]
     widths = allocate_to_error([1000, 1000], errors, 1.0, [1, 1], [32, 32])
     assert widths[1] > widths[0], widths
@@ -56,8 +56,8 @@ def test_allocation_gives_more_bits_to_the_more_sensitive_tensor() -> None:
 def test_allocation_gives_back_an_upgrade_a_later_one_made_unneeded() -> None:
     """Greedy upgrades first the small tensor (more error cut per bit), then the large
     one, after which the small one's upgrade is not needed: it is given back."""
-    small = {1: 1.0, 2: 0.5, 4: 0.1, 8: 0.01}
-    large = {1: 3.0, 2: 0.2, 4: 0.01, 8: 0.001}
+    small = {1: 1.0, 2: 0.5, 3: 0.3, 4: 0.1, 5: 0.06, 6: 0.03, 7: 0.02, 8: 0.01}
+    large = {1: 3.0, 2: 0.2, 3: 0.1, 4: 0.01, 5: 0.008, 6: 0.005, 7: 0.002, 8: 0.001}
     widths = allocate_to_error([1, 10], [small, large], 2.0, [1, 1], [32, 32])
     assert widths == [1, 2]
 

@@ -9,7 +9,7 @@ codec setting (:mod:`lightning_acgc.policies.acgc_allocation`) so that the model
 error stays within E = target · e² · ‖g‖² / κ:
 
 * ``codec="quant"`` (default): unbiased stochastic rounding with a width per tensor from
-  {1, 2, 4, 8} bits (or kept as it is). Its error per element at each width,
+  1 to 8 bits (or kept as it is). Its error per element at each width,
   v_t(b), is measured exactly on calibration steps
   (:func:`~lightning_acgc.policies.quant_error.sr_variance`); each tensor starts at the
   smallest width its weight ops' own budgets allow, then greedy upgrades (best error
@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from lightning_acgc.codecs.base import Codec
+from lightning_acgc.codecs.quant import QuantWidthConfig
 from lightning_acgc.codecs.spec import CodecSpec
 from lightning_acgc.engine.meter import SiteRecord
 from lightning_acgc.engine.sites import SiteInfo
@@ -226,7 +227,9 @@ class ACGCPolicy(ACGCState, NoiseBudget, ScopeFloors, ModelCorrections, Calibrat
         bits = self.site_bits.get(site.key, self.initial_width)
         if bits == KEEP:
             return None
-        return self._codec("quant", bits=bits, group_size=self.group_size, **self._meta)
+        return self._codec_from(
+            "quant", QuantWidthConfig(bits=bits, group_size=self.group_size, **self._meta)
+        )
 
     # -- calibration cycle ------------------------------------------------------
     def begin_step(self, step: int) -> None:

@@ -12,7 +12,7 @@ its budget by r (:meth:`ModelCorrections._measure_layers`), the other-ops tensor
 inside m's parent scope (their module is the parent or below it) get floors: starting
 from their widths in force, the fewest added bits (greedy, best modelled error reduction
 per bit, :func:`~lightning_acgc.policies.bit_allocation.allocate_to_error`) that cut the
-scope's modelled other-ops error Σ o_t·v_t(b_t) by r. Unbiased errors add in variance,
+scope's modelled other-ops error Σ o_t·v_t(b_t) by ``MARGIN``·r. Unbiased errors add in variance,
 so r is what would have put m on budget; which tensors carry it is the model's guess (the
 next calibration corrects it). A floor loosens by at most one width step per
 calibration, and only when the scope's worst module had room for that step's variance
@@ -27,6 +27,10 @@ from lightning_acgc.policies.bit_allocation import KEEP, LADDER, allocate_to_err
 __all__ = ["ScopeFloors", "within"]
 
 ORDER = (*LADDER, KEEP)  # widths from the least to the most bits
+# A floor cuts the modelled error by MARGIN·r, not r: which tensors carry a layer's error
+# is the model's guess, and one width step (2-4x the error) rarely lands exactly; a floor
+# that falls short costs another calibration over budget, one too high loosens later.
+MARGIN = 2.0
 
 
 def parent(module: str) -> str:
@@ -96,7 +100,8 @@ class ScopeFloors:
             )
             sizes = [self._structure_numel(k) for k in keys]
             raws = [self._raw_bits.get(k, 32) for k in keys]
-            new = allocate_to_error(sizes, errors, now / scope_over[scope], widths, raws)
+            budget = now / (MARGIN * scope_over[scope])
+            new = allocate_to_error(sizes, errors, budget, widths, raws)
             floors.update({k: b for k, b in zip(keys, new, strict=True) if b != LADDER[0]})
         tightened = {k for s in scope_over for k in others if within(k.rpartition(":")[0], s)}
         for key in list(floors):

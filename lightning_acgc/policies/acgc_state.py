@@ -7,6 +7,7 @@ from collections import deque
 from typing import Any
 
 from lightning_acgc.engine.meter import SiteRecord
+from lightning_acgc.policies.bit_allocation import LADDER
 
 __all__ = ["ACGCState"]
 
@@ -45,7 +46,10 @@ class ACGCState:
         self.bounds = dict(state["bounds"])
         self.site_bits = {k: int(v) for k, v in state.get("site_bits", {}).items()}
         self._floors = {k: int(v) for k, v in state.get("floors", {}).items()}
-        self._variances = {k: list(v) for k, v in state.get("variances", {}).items()}
+        # (tables of another width ladder, e.g. 1/2/4/8 only, are measured anew)
+        self._variances = {
+            k: list(v) for k, v in state.get("variances", {}).items() if len(v) == len(LADDER)
+        }
         self._raw_bits = dict(state.get("raw_bits", {}))
         self.kappa = float(state["kappa"])
         self.error_target = float(state.get("error_target", self.error_target))

@@ -5,9 +5,10 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-__all__ = ["KEEP", "LADDER", "allocate_bits", "allocate_to_error", "widths_up"]
+__all__ = ["KEEP", "LADDER", "POW2", "allocate_bits", "allocate_to_error", "widths_up"]
 
-LADDER = (1, 2, 4, 8)
+POW2 = (1, 2, 4, 8)  # the widths users set (and GACT allocates)
+LADDER = tuple(range(1, 9))  # the widths acgc allocates (``quant`` stores any of them)
 
 
 def _error(weight: float, bits: int) -> float:
@@ -15,7 +16,7 @@ def _error(weight: float, bits: int) -> float:
 
 
 def allocate_bits(sizes: Sequence[int], weights: Sequence[float], budget: float) -> list[int]:
-    """Bits per tensor from {1, 2, 4, 8} minimizing Σ w_t / (2^b_t − 1)² subject to
+    """Bits per tensor from ``POW2`` = {1, 2, 4, 8} minimizing Σ w_t / (2^b_t − 1)² subject to
     Σ n_t·b_t ≤ budget·Σ n_t: start every tensor at 1 bit, then repeatedly take the
     upgrade with the largest error reduction per added bit that still fits.
 
@@ -30,15 +31,15 @@ def allocate_bits(sizes: Sequence[int], weights: Sequence[float], budget: float)
     """
     if not 1 <= budget <= 8:
         raise ValueError(f"budget={budget!r} must be between 1 and 8 bits")
-    bits = [LADDER[0]] * len(sizes)
+    bits = [POW2[0]] * len(sizes)
     room = budget * sum(sizes) - sum(n * b for n, b in zip(sizes, bits, strict=True))
     heap: list[tuple[float, int]] = []
 
     def push(i: int) -> None:
         b = bits[i]
-        if b == LADDER[-1] or sizes[i] == 0:
+        if b == POW2[-1] or sizes[i] == 0:
             return
-        nxt = LADDER[LADDER.index(b) + 1]
+        nxt = POW2[POW2.index(b) + 1]
         gain = (_error(weights[i], b) - _error(weights[i], nxt)) / (sizes[i] * (nxt - b))
         heapq.heappush(heap, (-gain, i))
 
@@ -47,7 +48,7 @@ def allocate_bits(sizes: Sequence[int], weights: Sequence[float], budget: float)
     while heap:
         neg_gain, i = heapq.heappop(heap)
         b = bits[i]
-        nxt = LADDER[LADDER.index(b) + 1]
+        nxt = POW2[POW2.index(b) + 1]
         cost = sizes[i] * (nxt - b)
         if cost > room + 1e-9:
             continue  # does not fit; smaller upgrades may
@@ -76,10 +77,10 @@ def allocate_to_error(
     raw_bits: Sequence[int],
     overhead: float = 0.0,
 ) -> list[int]:
-    """Widths from {1, 2, 4, 8, ``KEEP``} that bring the total error Σ errors[t][b_t]
-    within ``budget`` for few bits Σ n_t·b_t: start every tensor at its ``min_widths``
-    entry, then take, while over budget, the upgrade with the largest error reduction
-    per added bit (a tensor kept as it is costs ``raw_bits`` per element, no error);
+    """Widths from ``LADDER`` (1 to 8 bits) or ``KEEP`` that bring the total error
+    Σ errors[t][b_t] within ``budget`` for few bits Σ n_t·b_t: start every tensor at its
+    ``min_widths`` entry, then take, while over budget, the upgrade with the largest error
+    reduction per added bit (a tensor kept as it is costs ``raw_bits`` per element, no error);
     then step back down by one width, most bits saved per error added first, each tensor
     whose step down still fits in the budget.
 
@@ -92,9 +93,9 @@ def allocate_to_error(
         overhead: bits per element a quantized tensor adds for its metadata.
 
     Example:
-        >>> errs = [{1: 9.0, 2: 1.0, 4: 0.04, 8: 1e-4}, {1: 0.9, 2: 0.1, 4: 0.004, 8: 1e-5}]
+        >>> errs = [{b: c / (2**b - 1) ** 2 for b in LADDER} for c in (9.0, 0.9)]
         >>> allocate_to_error([100, 100], errs, budget=0.5, min_widths=[1, 1], raw_bits=[32] * 2)
-        [4, 2]
+        [3, 2]
     """
 
     def err(i: int, b: int) -> float:
@@ -122,8 +123,8 @@ def allocate_to_error(
         total += err(i, nxt) - err(i, widths[i])
         widths[i] = nxt
         push(i)
-    # Widths step coarsely (4 -> 8 bits: 289x less error), so the last upgrades can
-    # overshoot: give back, most bits saved per error added first, what still fits.
+    # Widths step coarsely (1 -> 2 bits: 9x less error; 7 -> 8: 4x), so the last upgrades
+    # can overshoot: give back, most bits saved per error added first, what still fits.
     down = []
     for i, b in enumerate(widths):
         if b != min_widths[i] and sizes[i]:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from lightning_acgc.codecs.base import Codec
+from lightning_acgc.codecs.registry import build_codec
 from lightning_acgc.codecs.spec import CodecSpec
 from lightning_acgc.policies._schedule import is_calibration_step
 from lightning_acgc.policies.base import Policy, Reduce
@@ -38,6 +39,16 @@ class CalibratingPolicy(Policy):
         if codec is None:
             spec = CodecSpec(name, options, self.config.backend)
             codec = self._codecs[key] = spec.build()
+        return codec
+
+    def _codec_from(self, name: str, config: Any) -> Codec:
+        """The codec ``name`` with a config instance (built once, then reused): for
+        settings only a policy may choose, such as ``quant`` widths other than 1/2/4/8."""
+        key = (name, config)
+        codec = self._codecs.get(key)
+        if codec is None:
+            codec = self._codecs[key] = build_codec(name, config)
+            codec.backend = self.config.backend  # type: ignore[attr-defined]
         return codec
 
     def _bounded_for(self, key: str, bounds: dict[str, float], relative: float) -> Codec:

@@ -22,7 +22,7 @@ from lightning_acgc.engine.sites import SiteInfo
 from lightning_acgc.kernels.quant import group_view
 from lightning_acgc.policies._schedule import check_int
 from lightning_acgc.policies.base import Reduce
-from lightning_acgc.policies.bit_allocation import LADDER, allocate_bits
+from lightning_acgc.policies.bit_allocation import POW2, allocate_bits
 from lightning_acgc.policies.calibrating import CalibratingPolicy
 from lightning_acgc.policies.error_model import tensor_sensitivities
 
@@ -75,7 +75,7 @@ class GACTPolicy(CalibratingPolicy):
         self.history = history
         self.group_size = group_size
         self.config = config or CodecSpec("quant")
-        self.default_bits = max(b for b in LADDER if b <= self.bits)
+        self.default_bits = max(b for b in POW2 if b <= self.bits)
         super().__init__()
         self.site_bits: dict[str, int] = {}
         self._range_sq: dict[str, float] = {}
