@@ -16,6 +16,7 @@ from torch import nn
 from lightning_acgc.codecs.base import Codec, Packed
 from lightning_acgc.codecs.intpack import IntPackCodec, IntPackConfig
 from lightning_acgc.codecs.mask import MaskCodec, MaskConfig
+from lightning_acgc.engine.coalesce import Chunk, Coalescer, Member
 from lightning_acgc.engine.layout import Layout, compact, restore
 from lightning_acgc.engine.ledger import Ledger, storage_ref
 from lightning_acgc.engine.meter import CompressionStats, SiteRecord
@@ -61,9 +62,11 @@ class _Saved:
 
     __slots__ = (
         "__weakref__",
+        "chunk",
         "codec",
         "decoded",
         "layout",
+        "member",
         "name",
         "packed",
         "pending",
@@ -88,10 +91,16 @@ class _Saved:
         self.layout = layout
         self.pending = 1
         self.decoded: torch.Tensor | None = None
+        self.chunk: Chunk | None = None  # a small tensor encoded with others
+        self.member: Member | None = None
 
     def unpack(self) -> torch.Tensor:
         if self.raw is not None:
             return self.raw
+        if self.chunk is not None:
+            m = self.member
+            assert m is not None
+            return restore(self.chunk.take(m.offset, m.numel).view(m.shape), self.layout)
         assert self.codec is not None and self.packed is not None
         out = self.decoded
         if out is None:
@@ -136,6 +145,7 @@ class ActivationCompressor:
         self.stats = CompressionStats()
         settings = settings or EngineSettings()
         self.min_numel = settings.min_numel
+        self.coalesce_min = settings.coalesce_min_numel
         self.seed = settings.seed
         self.compress_masks = settings.compress_masks
         self.strict = settings.strict
@@ -149,6 +159,8 @@ class ActivationCompressor:
         self._fixed_settings = {id(self._mask_codec): "1 bit", id(self._int_codec): "lossless"}
         self._resident: set[int] = set()
         self._ledger = Ledger(self.stats, self._check_budget)
+        # small float tensors, encoded in chunks
+        self._small = Coalescer(self._ledger, self.stats, self._codec_failed, self.packed_log)
         self._dedup: dict[tuple, tuple[Any, weakref.ReferenceType]] = {}
         self._site_hash: dict[str, int] = {}
         self._warned: set[str] = set()
@@ -169,6 +181,7 @@ class ActivationCompressor:
     def remove(self) -> None:
         """Remove every hook this object registered and forget per-step state."""
         self.tracker.remove()
+        self._small.close("engine removed")
         self._dedup.clear()
         self._ledger.new_step()
         self._installed = False
@@ -187,6 +200,7 @@ class ActivationCompressor:
         self.step = self.step + 1 if step is None else step
         self.stats.reset()
         self.tracker.new_step()
+        self._small.close("step ended")
         self._dedup.clear()
         self._ledger.new_step()
         if self.packed_log is not None:
@@ -194,9 +208,15 @@ class ActivationCompressor:
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[CompressionStats]:
-        """Saved tensors made inside are packed; always exits the hooks."""
+        """Saved tensors made inside are packed; always exits the hooks. Small tensors
+        still waiting in a chunk are encoded on exit (kept raw if the scope raised)."""
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            yield self.stats
+            try:
+                yield self.stats
+            except BaseException:
+                self._small.close("step raised")
+                raise
+            self._small.flush()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -216,11 +236,12 @@ class ActivationCompressor:
 
     def _record(
         self, site: SiteInfo, t: torch.Tensor, codec: str, settings: str, raw: int, kept: int
-    ) -> None:
-        rec = self.stats.sites.get(site.key)
+    ) -> SiteRecord:
+        key = site.key
+        rec = self.stats.sites.get(key)
         if rec is None:
-            rec = self.stats.sites[site.key] = SiteRecord(
-                site.key,
+            rec = self.stats.sites[key] = SiteRecord(
+                key,
                 site.module,
                 site.module_type,
                 tuple(t.shape),
@@ -233,6 +254,7 @@ class ActivationCompressor:
         if kept:
             rec.tensor_bytes += t.numel() * t.element_size()
         rec.count += 1
+        return rec
 
     def _check_budget(self, nbytes: int) -> None:
         if self.memory_budget is not None:
@@ -243,6 +265,32 @@ class ActivationCompressor:
                     f"would be exceeded ({need} bytes: {self.stats.live_bytes} live saved, "
                     f"{nbytes} new, {self.budget_base} model and optimizer)"
                 )
+
+    def _codec_failed(self, site: str, codec: Codec, err: Exception) -> None:
+        """Re-raise ``err`` under ``strict``; else warn once per site (the tensor stays raw)."""
+        if self.strict:
+            raise err
+        if site not in self._warned:
+            self._warned.add(site)
+            warnings.warn(
+                f"lightning_acgc: {codec.name} failed at {site} ({err}); kept uncompressed",
+                stacklevel=3,
+            )
+
+    def _join(
+        self, site: SiteInfo, t: torch.Tensor, key: tuple, ref: Any, raw: int, codec: Codec
+    ) -> _Saved:
+        """Hold the small tensor ``t`` raw until its chunk is encoded with others."""
+        detached = t.detach()
+        part, layout = compact(detached)
+        saved = _Saved(None, None, site.key, codec.name, raw=detached, layout=layout)
+        settings = self._fixed_settings.get(id(codec)) or self.policy.describe(codec)
+        self._record(site, t, codec.name, settings, raw, 0)
+        self._dedup[key] = (ref, weakref.ref(saved))
+        saved.chunk, saved.member = self._small.join(
+            saved, site.key, t, part, ref, codec, lambda: self._seed_for(site)
+        )
+        return saved
 
     def _keep(
         self,
@@ -289,9 +337,11 @@ class ActivationCompressor:
         refs = self._dedup.get(key)
         saved = refs[1]() if refs is not None else None
         if saved is not None:
-            self._record(site, t, saved.name, f"shared with {saved.site}", 0, 0)
-            self.stats.sites[site.key].shared_with = saved.site
+            rec = self._record(site, t, saved.name, f"shared with {saved.site}", 0, 0)
+            rec.shared_with = saved.site
             saved.pending += 1
+            if saved.chunk is not None:
+                saved.chunk.expect()
             return saved
         if not t.is_floating_point() and getattr(self.policy, "control", False):
             return self._keep(site, t, key, ref, raw, "control")  # identity: nothing compressed
@@ -303,26 +353,22 @@ class ActivationCompressor:
             if t.numel() < self.min_numel:
                 return self._keep(site, t, key, ref, raw, "tiny")
             codec = self._int_codec
-        elif t.numel() < self.min_numel:
-            return self._keep(site, t, key, ref, raw, "tiny")
         else:
+            small = t.numel() < self.min_numel
+            if small and (self.coalesce_min is None or t.numel() < self.coalesce_min):
+                return self._keep(site, t, key, ref, raw, "tiny")
             codec = self.policy.codec_for(site, t)
             if codec is None:
                 return self._keep(site, t, key, ref, raw, "policy")
             if codec.name == "identity":
                 return self._keep(site, t, key, ref, raw, "raw", name="identity")
+            if small:
+                return self._join(site, t, key, ref, raw, codec)
         part, layout = compact(t.detach())
         try:
             packed = codec.encode(part, self._seed_for(site))
         except Exception as err:
-            if self.strict:
-                raise
-            if site.key not in self._warned:
-                self._warned.add(site.key)
-                warnings.warn(
-                    f"lightning_acgc: {codec.name} failed at {site.key} ({err}); kept uncompressed",
-                    stacklevel=2,
-                )
+            self._codec_failed(site.key, codec, err)
             packed = None
         if packed is None:
             return self._keep(site, t, key, ref, raw, f"{codec.name} declined")
@@ -340,8 +386,9 @@ class ActivationCompressor:
             self.packed_log.append(packed)
         return saved
 
-    @staticmethod
-    def _unpack(saved: Any) -> torch.Tensor:
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if self._small.open:  # backward has begun: small tensors still waiting are encoded
+            self._small.flush()
         if isinstance(saved, _Saved):
             return saved.unpack()
         return saved

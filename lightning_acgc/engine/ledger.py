@@ -90,6 +90,13 @@ class Ledger:
     def hold_raw(self, holder: object, t: torch.Tensor, ref: StorageWeakRef | None = None) -> int:
         """Charge ``holder``, which keeps ``t`` raw, by storage; returns the bytes added.
         ``ref``: ``storage_ref(t)`` if the caller has it."""
+        return self.hold_raw_until(holder, t, ref)[0]
+
+    def hold_raw_until(
+        self, holder: object, t: torch.Tensor, ref: StorageWeakRef | None = None
+    ) -> tuple[int, weakref.finalize]:
+        """:meth:`hold_raw`, also returning the release: calling it drops the charge
+        now (once; ``holder`` no longer holds ``t``), else it runs when ``holder`` dies."""
         ref = ref if ref is not None else storage_ref(t)
         entry = self._raw.get(ref.cdata)
         added = 0
@@ -99,8 +106,7 @@ class Ledger:
             entry = self._raw[ref.cdata] = _RawEntry(ref, added)
             self._add(added)
         entry.holders += 1
-        weakref.finalize(holder, self._drop_raw, ref.cdata)
-        return added
+        return added, weakref.finalize(holder, self._drop_raw, ref.cdata)
 
     def hold_packed(self, holder: object, nbytes: int) -> None:
         """Charge ``holder``, which keeps ``nbytes`` of packed data (checked first)."""

@@ -7,12 +7,21 @@ from dataclasses import dataclass
 __all__ = ["EngineSettings"]
 
 
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     """What the engine does around the codecs, whatever the policy chooses.
 
     Args:
-        min_numel: tensors with fewer elements are kept as they are.
+        min_numel: tensors with fewer elements are not encoded alone: floating ones of at
+            least ``coalesce_min_numel`` elements are encoded together with the other
+            small tensors of the step that share their codec (see
+            :mod:`lightning_acgc.engine.coalesce`), the others are kept as they are.
+        coalesce_min_numel: the smallest floating tensors encoded together; ``None``
+            keeps every tensor under ``min_numel`` as it is.
         seed: base of the per-step, per-site seeds kept with the packed data (codecs
             never draw from the global RNG).
         compress_masks: bool tensors (dropout masks) go to the lossless 1-bit ``mask``
@@ -20,7 +29,8 @@ class EngineSettings:
         strict: re-raise codec errors instead of keeping the tensor uncompressed.
 
     Raises:
-        ValueError: a negative or non-int ``min_numel``, a non-int ``seed``.
+        ValueError: a negative or non-int ``min_numel`` or ``coalesce_min_numel``, a
+            non-int ``seed``.
 
     Example:
         >>> EngineSettings(min_numel=0).min_numel
@@ -35,13 +45,14 @@ class EngineSettings:
     seed: int = 0
     compress_masks: bool = True
     strict: bool = False
+    coalesce_min_numel: int | None = 64
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.min_numel, bool)
-            or not isinstance(self.min_numel, int)
-            or self.min_numel < 0
-        ):
+        if not _count(self.min_numel):
             raise ValueError(f"min_numel={self.min_numel!r} must be an int >= 0")
+        if self.coalesce_min_numel is not None and not _count(self.coalesce_min_numel):
+            raise ValueError(
+                f"coalesce_min_numel={self.coalesce_min_numel!r} must be an int >= 0 or None"
+            )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r} must be an int")
