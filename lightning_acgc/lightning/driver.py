@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -84,9 +85,7 @@ class CalibrationDriver:
         """Continue from a checkpoint's step counter and seed."""
         self.step, self._resumed = step, not self.active
         if seed != self.settings.seed:
-            self.settings = EngineSettings(
-                self.settings.min_numel, seed, self.settings.compress_masks, self.settings.strict
-            )
+            self.settings = dataclasses.replace(self.settings, seed=seed)
             if self.engine is not None:
                 self.engine.seed = seed
 
