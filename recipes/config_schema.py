@@ -37,6 +37,7 @@ class CompressionSchema:
     log_every_n_steps: int = MISSING
     backend: str = MISSING
     min_numel: int = MISSING
+    coalesce_min_numel: int | None = MISSING
     compress_masks: bool = MISSING
     strict: bool = MISSING
     seed: int = MISSING

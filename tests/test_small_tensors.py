@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from benchmarks.coverage import GOALS, measure
-from lightning_acgc import compress_activations
+from lightning_acgc import ActivationCompression, compress_activations
 from lightning_acgc.engine import ActivationCompressor
 from lightning_acgc.engine.settings import EngineSettings
 from lightning_acgc.policies import build_policy
@@ -115,3 +115,11 @@ def test_coalesce_min_numel_is_checked() -> None:
     with pytest.raises(ValueError, match="coalesce_min_numel=-1"):
         EngineSettings(coalesce_min_numel=-1)
     assert EngineSettings(coalesce_min_numel=None).coalesce_min_numel is None
+
+
+def test_the_callback_and_its_config_pass_the_chunk_threshold_on() -> None:
+    assert ActivationCompression(print_table=False).settings.coalesce_min_numel == 64
+    off = ActivationCompression(coalesce_min_numel=None, print_table=False)
+    assert off.settings.coalesce_min_numel is None
+    with pytest.raises(ValueError, match="coalesce_min_numel=-1"):
+        ActivationCompression(coalesce_min_numel=-1, print_table=False)

@@ -75,7 +75,9 @@ class ActivationCompression(Callback):
             ``"off"`` installs nothing: training is bit-identical to plain Lightning.
         log_every_n_steps: log the compression numbers every this many steps.
         backend: ``"auto"``, ``"torch"`` or ``"triton"`` for the codecs' kernels.
-        min_numel: tensors with fewer elements are kept as they are.
+        min_numel: tensors with fewer elements are not encoded alone.
+        coalesce_min_numel: floating tensors under ``min_numel`` with at least this many
+            elements are encoded together in chunks (``None``: kept as they are).
         seed: base seed of the codecs' random numbers (never the global RNG).
         compress_masks: bool tensors (dropout masks) go to the lossless ``mask`` codec.
         strict: re-raise codec errors instead of keeping the tensor uncompressed.
@@ -133,6 +135,7 @@ class ActivationCompression(Callback):
         log_every_n_steps: int = 1,
         backend: str = "auto",
         min_numel: int = 1024,
+        coalesce_min_numel: int | None = 64,
         seed: int = 0,
         compress_masks: bool = True,
         strict: bool = False,
@@ -151,7 +154,7 @@ class ActivationCompression(Callback):
         self.batch_size_finder = self._make_finder(scale_batch_size, lr_scaling)
         self._driver = CalibrationDriver(
             self.policy,
-            EngineSettings(min_numel, seed, bool(compress_masks), bool(strict)),
+            EngineSettings(min_numel, seed, bool(compress_masks), bool(strict), coalesce_min_numel),
             parse_memory(memory_budget),
         )
         self._search_logged = False
