@@ -22,12 +22,16 @@ from typing import Any
 import torch
 
 from lightning_acgc.codecs import build_codec
+from lightning_acgc.codecs.quant import QuantWidthConfig
 
-SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {
+SETTINGS: dict[str, tuple[str, Any]] = {  # codec, its options (or config)
     "quant8": ("quant", {"bits": 8}),
     "quant4": ("quant", {"bits": 4}),
     "quant2": ("quant", {"bits": 2}),
     "quant1": ("quant", {"bits": 1}),
+    # widths only policies choose (acgc): a bit stream of 8 codes in 3 (6) bytes
+    "quant3": ("quant", QuantWidthConfig(bits=3)),
+    "quant6": ("quant", QuantWidthConfig(bits=6)),
     "bounded_rel1e-2": ("bounded", {"error_bound": 1e-2, "relative": True}),
     "division": ("division", {}),
     "mask": ("mask", {}),

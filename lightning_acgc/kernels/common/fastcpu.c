@@ -207,8 +207,16 @@ void acgc_mask_pack(const uint8_t *m, int64_t n, uint8_t *out, int nthreads) {
 }
 
 void acgc_mask_unpack(const uint8_t *packed, int64_t n, uint8_t *out, int nthreads) {
+    int64_t full = n / 8;
+    /* one 8-byte store per packed byte: the byte copied to all 8 lanes, lane k keeps bit
+     * k, then each lane's 0 or 2^k becomes 0 or 1 (adding 0x7F carries into bit 7 only) */
 #pragma omp parallel for schedule(static) num_threads(THREADS(n))
-    for (int64_t i = 0; i < n; i++) out[i] = (packed[i >> 3] >> (i & 7)) & 1;
+    for (int64_t b = 0; b < full; b++) {
+        uint64_t v = ((uint64_t)packed[b] * 0x0101010101010101ULL) & 0x8040201008040201ULL;
+        v = ((v + 0x7F7F7F7F7F7F7F7FULL) >> 7) & 0x0101010101010101ULL;
+        memcpy(out + 8 * b, &v, 8); /* little-endian hosts (x86-64, aarch64) */
+    }
+    for (int64_t i = 8 * full; i < n; i++) out[i] = (packed[i >> 3] >> (i & 7)) & 1;
 }
 
 /* ---- bounded (error-bounded) codec; see kernels/bounded/reference.py for the format ---- */
