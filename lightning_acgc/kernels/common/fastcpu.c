@@ -276,6 +276,16 @@ static inline float bounded_value(float q, float lo, float s, int zk, float top)
 /* The 8 codes of width w (1..16) held by the w bytes at src, as float32 into q[0..7]; with
  * room (16 readable bytes at src) it loads 16 bytes, the bits past 8 * w being unused. */
 static inline void codes8(const uint8_t *src, int w, int room, float *q) {
+    if (w <= 8) { /* 8 codes in at most 64 bits */
+        uint64_t a = 0;
+        if (room)
+            memcpy(&a, src, 8); /* little-endian hosts (x86-64, aarch64) */
+        else
+            memcpy(&a, src, (size_t)w);
+        uint32_t mask8 = (1u << w) - 1u;
+        for (int k = 0; k < 8; k++) q[k] = (float)((uint32_t)(a >> (k * w)) & mask8);
+        return;
+    }
     uint8_t buf[16] = {0};
     if (room)
         memcpy(buf, src, 16);
