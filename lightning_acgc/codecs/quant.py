@@ -6,7 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_acgc.codecs._checks import QUANT_WIDTHS, check_bits, check_choice, check_group_size
+from lightning_acgc.codecs._checks import (
+    ALLOWED_BITS,
+    QUANT_WIDTHS,
+    check_bits,
+    check_choice,
+    check_group_size,
+)
 from lightning_acgc.codecs.base import Packed
 from lightning_acgc.codecs.identity import raw_packed
 from lightning_acgc.codecs.registry import register_codec
@@ -30,9 +36,10 @@ class QuantConfig:
     bits: int = 2
     group_size: int = 256
     meta: str = "fp32"
+    widths = ALLOWED_BITS  # what ``bits`` may be (a class attribute, not an option)
 
     def __post_init__(self) -> None:
-        check_bits("bits", self.bits)
+        check_bits("bits", self.bits, self.widths)
         check_group_size("group_size", self.group_size)
         check_choice("meta", self.meta, qk.META_FORMATS)
 
@@ -40,9 +47,10 @@ class QuantConfig:
 @dataclass(frozen=True)
 class QuantWidthConfig(QuantConfig):
     """A :class:`QuantConfig` at any width from 1 to 8 bits, for policies that choose the
-    width per tensor (acgc: 3 bits has a fifth of 2 bits' error for 1.5x the bytes, 4
-    to 8 bits 289x less for 2x). The codes of a width that does not divide 8 fill a
-    little-endian bit stream (8 codes in ``bits`` bytes); users set ``bits`` in 1, 2, 4, 8.
+    width per tensor (acgc: 3 bits has a fifth of 2 bits' error for 1.5x the bytes,
+    where 4 -> 8 bits, the only step before, cut it 289x for 2x the bytes). The codes of
+    a width that does not divide 8 fill a little-endian bit stream (8 codes in ``bits``
+    bytes); users set ``bits`` in 1, 2, 4, 8.
 
     Example:
         >>> import torch
@@ -53,10 +61,7 @@ class QuantWidthConfig(QuantConfig):
         (384, True)
     """
 
-    def __post_init__(self) -> None:
-        check_bits("bits", self.bits, QUANT_WIDTHS)
-        check_group_size("group_size", self.group_size)
-        check_choice("meta", self.meta, qk.META_FORMATS)
+    widths = QUANT_WIDTHS
 
 
 @register_codec("quant", QuantConfig)

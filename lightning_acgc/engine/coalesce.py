@@ -116,7 +116,7 @@ class Chunk:
     def add(self, member: Member) -> Member:
         """Append ``member`` (its offset set here) and expect one unpack of it."""
         member.offset = self.numel
-        self.numel += -(-member.numel // self.align) * self.align
+        self.numel += _span(member, self.align)
         self.members.append(member)
         self.expect()
         return member
@@ -138,12 +138,11 @@ class Chunk:
             if m.offset > at:
                 pieces.append(part.new_zeros(m.offset - at))
             flat = part.reshape(-1)
-            n = flat.numel()
-            pad = -(-n // self.align) * self.align - n
+            pad = _span(m, self.align) - m.numel
             pieces.append(flat)
             if pad:
                 pieces.append(flat[-1:].expand(pad))
-            at = m.offset + n + pad
+            at = m.offset + m.numel + pad
         if self.numel > at and pieces:
             pieces.append(pieces[0].new_zeros(self.numel - at))
         return torch.cat(pieces) if pieces else torch.empty(0)
@@ -244,9 +243,10 @@ class Coalescer:
         chunks = list(self.open.values())
         self.open.clear()
         for chunk in chunks:
-            self._keep(chunk, chunk.members, why)
+            self._keep(chunk.members, why)
+            chunk.members = []
 
-    def _keep(self, chunk: Chunk, members: list[Member], why: str) -> None:
+    def _keep(self, members: list[Member], why: str) -> None:
         stats = self.stats
         for m in members:
             stats.tensors_kept += 1
@@ -256,25 +256,25 @@ class Coalescer:
                 rec.codec, rec.settings = "kept", why
                 rec.packed_bytes += m.kept
             m.part = None
-        chunk.members = []
 
     def _finish(self, chunk: Chunk) -> None:
-        name = chunk.codec.name
+        name, members = chunk.codec.name, chunk.members
         try:
             packed = chunk.encode()
         except Exception as err:
-            members = chunk.members
-            self._keep(chunk, members, f"{name} declined")
+            chunk.members = []
+            self._keep(members, f"{name} declined")
             self.on_error(members[0].site, chunk.codec, err)
             return
+        chunk.members = []  # each holder keeps its own member
         if packed is None:
-            self._keep(chunk, chunk.members, f"{name} declined or not smaller")
+            self._keep(members, f"{name} declined or not smaller")
             return
         live, dead = [], []
-        for m in chunk.members:
+        for m in members:
             holder = m.holder()
             (dead if holder is None else live).append((m, holder))
-        self._keep(chunk, [m for m, _ in dead], "freed before encoding")
+        self._keep([m for m, _ in dead], "freed before encoding")
         nbytes = packed.nbytes
         self.ledger.hold_packed(chunk, nbytes)
         stats = self.stats
@@ -294,6 +294,5 @@ class Coalescer:
             if rec is not None:
                 rec.packed_bytes += share
                 rec.tensor_bytes += m.tensor_bytes
-        chunk.members = []  # each holder keeps its own member
         if self.packed_log is not None:
             self.packed_log.append(packed)

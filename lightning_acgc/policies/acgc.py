@@ -227,8 +227,8 @@ class ACGCPolicy(ACGCState, NoiseBudget, ScopeFloors, ModelCorrections, Calibrat
         bits = self.site_bits.get(site.key, self.initial_width)
         if bits == KEEP:
             return None
-        return self._codec_from(
-            "quant", QuantWidthConfig(bits=bits, group_size=self.group_size, **self._meta)
+        return self._codec(
+            "quant", QuantWidthConfig, bits=bits, group_size=self.group_size, **self._meta
         )
 
     # -- calibration cycle ------------------------------------------------------

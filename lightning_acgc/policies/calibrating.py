@@ -32,23 +32,19 @@ class CalibratingPolicy(Policy):
         self._calibrating = False
         self._metrics: dict[str, float] = {}
 
-    def _codec(self, name: str, **options: Any) -> Codec:
-        """The codec ``name`` with ``options`` (built once, then reused)."""
+    def _codec(self, name: str, config_cls: type | None = None, **options: Any) -> Codec:
+        """The codec ``name`` with ``options`` (built once, then reused). ``config_cls``:
+        build the options as this config class (for settings only a policy may choose,
+        e.g. :class:`~lightning_acgc.codecs.quant.QuantWidthConfig`'s widths)."""
         key = (name, *sorted(options.items()))
         codec = self._codecs.get(key)
         if codec is None:
-            spec = CodecSpec(name, options, self.config.backend)
-            codec = self._codecs[key] = spec.build()
-        return codec
-
-    def _codec_from(self, name: str, config: Any) -> Codec:
-        """The codec ``name`` with a config instance (built once, then reused): for
-        settings only a policy may choose, such as ``quant`` widths other than 1/2/4/8."""
-        key = (name, config)
-        codec = self._codecs.get(key)
-        if codec is None:
-            codec = self._codecs[key] = build_codec(name, config)
-            codec.backend = self.config.backend  # type: ignore[attr-defined]
+            if config_cls is None:
+                codec = CodecSpec(name, options, self.config.backend).build()
+            else:
+                codec = build_codec(name, config_cls(**options))
+                codec.backend = self.config.backend  # type: ignore[attr-defined]
+            self._codecs[key] = codec
         return codec
 
     def _bounded_for(self, key: str, bounds: dict[str, float], relative: float) -> Codec:

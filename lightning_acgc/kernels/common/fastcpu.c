@@ -145,6 +145,32 @@ void acgc_quant_pack(const float *x, int64_t n, int64_t gs, int bits, const floa
     }
 }
 
+/* The 8 codes of width w (1..16) held by the w bytes at src, as float32 into q[0..7]; with
+ * room (16 readable bytes at src) it loads 16 bytes, the bits past 8 * w being unused. */
+static inline void codes8(const uint8_t *src, int w, int room, float *q) {
+    if (w <= 8) { /* 8 codes in at most 64 bits */
+        uint64_t a = 0;
+        if (room)
+            memcpy(&a, src, 8); /* little-endian hosts (x86-64, aarch64) */
+        else
+            memcpy(&a, src, (size_t)w);
+        uint32_t mask8 = (1u << w) - 1u;
+        for (int k = 0; k < 8; k++) q[k] = (float)((uint32_t)(a >> (k * w)) & mask8);
+        return;
+    }
+    uint8_t buf[16] = {0};
+    if (room)
+        memcpy(buf, src, 16);
+    else
+        memcpy(buf, src, (size_t)w);
+    uint64_t a, b;
+    memcpy(&a, buf, 8); /* little-endian hosts (x86-64, aarch64) */
+    memcpy(&b, buf + 8, 8);
+    unsigned __int128 v = ((unsigned __int128)b << 64) | a;
+    uint32_t mask = (1u << w) - 1u;
+    for (int k = 0; k < 8; k++) q[k] = (float)((uint32_t)(v >> (k * w)) & mask);
+}
+
 /* Decode n values: code c of group g is fmaf(c, step, lo) (zero-kept groups: code 0 is
  * +0.0, code c >= 1 is fmaf(c - 1, step, lo)), as the reference's addcmul. */
 void acgc_quant_unpack(const uint8_t *codes, int64_t n, int64_t gs, int bits, const float *lo,
@@ -170,12 +196,9 @@ void acgc_quant_unpack(const uint8_t *codes, int64_t n, int64_t gs, int bits, co
                     for (int k = 0; k < per; k++)
                         c[b * per + k] = (float)((s[b] >> (bits * k)) & mask);
             } else { /* whole 8-code words of bits bytes (groups are multiples of 8) */
-                for (int64_t b = 0; b < (m + 7) / 8; b++) {
-                    uint64_t word = 0;
-                    for (int j = 0; j < bits; j++) word |= (uint64_t)s[b * bits + j] << (8 * j);
-                    for (int k = 0; k < 8; k++)
-                        c[8 * b + k] = (float)((uint32_t)(word >> (k * bits)) & (uint32_t)mask);
-                }
+                int64_t end = gs * bits / 8 - c0 * bits / 8; /* the group's bytes from s */
+                for (int64_t b = 0; b < (m + 7) / 8; b++)
+                    codes8(s + b * bits, bits, b * bits + 16 <= end, c + 8 * b);
             }
             if (z) {
                 for (int64_t j = 0; j < m; j++) {
@@ -273,31 +296,6 @@ static inline float bounded_value(float q, float lo, float s, int zk, float top)
     return v > top ? top : v;
 }
 
-/* The 8 codes of width w (1..16) held by the w bytes at src, as float32 into q[0..7]; with
- * room (16 readable bytes at src) it loads 16 bytes, the bits past 8 * w being unused. */
-static inline void codes8(const uint8_t *src, int w, int room, float *q) {
-    if (w <= 8) { /* 8 codes in at most 64 bits */
-        uint64_t a = 0;
-        if (room)
-            memcpy(&a, src, 8); /* little-endian hosts (x86-64, aarch64) */
-        else
-            memcpy(&a, src, (size_t)w);
-        uint32_t mask8 = (1u << w) - 1u;
-        for (int k = 0; k < 8; k++) q[k] = (float)((uint32_t)(a >> (k * w)) & mask8);
-        return;
-    }
-    uint8_t buf[16] = {0};
-    if (room)
-        memcpy(buf, src, 16);
-    else
-        memcpy(buf, src, (size_t)w);
-    uint64_t a, b;
-    memcpy(&a, buf, 8); /* little-endian hosts (x86-64, aarch64) */
-    memcpy(&b, buf + 8, 8);
-    unsigned __int128 v = ((unsigned __int128)b << 64) | a;
-    uint32_t mask = (1u << w) - 1u;
-    for (int k = 0; k < 8; k++) q[k] = (float)((uint32_t)(v >> (k * w)) & mask);
-}
 
 /* Encode: per group g of kind width[g] (0 constant, 1..16 coded, 255 raw) with lo/step from
  * the plan, the codes round((x - lo) / |step|) (half to even; +1 in zero-kept groups, 0 at
