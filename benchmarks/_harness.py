@@ -104,9 +104,21 @@ class Recipe:
     datamodule: Any
     description: str
 
-    def loss(self, module: nn.Module | None = None) -> torch.Tensor:
-        logits, targets = (module or self.module).logits_and_targets(self.batch, "train")
+    def loss(self, module: nn.Module | None = None, batch: Any = None) -> torch.Tensor:
+        batch = self.batch if batch is None else batch
+        logits, targets = (module or self.module).logits_and_targets(batch, "train")
         return F.cross_entropy(logits, targets)
+
+    def loss_halves(self, module: nn.Module) -> tuple[Callable[[], torch.Tensor], ...] | None:
+        """The loss on each half of the batch (for a noise-relative budget); ``None`` for
+        a batch that has no batch dimension to split (a full graph)."""
+        if not isinstance(self.batch, (tuple, list)):
+            return None
+        n = self.batch[0].shape[0]
+        halves = [
+            type(self.batch)(t[a:b] for t in self.batch) for a, b in ((0, n // 2), (n // 2, n))
+        ]
+        return tuple(functools.partial(self.loss, module, h) for h in halves)
 
 
 def _describe(name: str, cfg: DictConfig, batch: Any, generated: bool = False) -> str:
@@ -309,7 +321,15 @@ class Runner:
         if self.engine is None:
             self.recipe.loss(self.module).backward()
             return None
-        compressed_step(self.engine, self.module, lambda: self.recipe.loss(self.module), step)
+        wants_noise = getattr(self.policy, "needs_noise_estimate", None)
+        halves = self.recipe.loss_halves(self.module) if wants_noise and wants_noise(step) else None
+        compressed_step(
+            self.engine,
+            self.module,
+            lambda: self.recipe.loss(self.module),
+            step,
+            loss_halves=halves,
+        )
         return self.engine.stats
 
     def calibrate(

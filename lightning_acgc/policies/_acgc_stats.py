@@ -7,7 +7,7 @@ from torch import nn
 
 from lightning_acgc.policies.base import Reduce
 
-__all__ = ["diff_sq", "module_norms", "per_module_sq", "reduce_tables"]
+__all__ = ["module_norms", "per_module_sq", "reduce_tables"]
 
 
 def per_module_sq(grads: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -17,11 +17,6 @@ def per_module_sq(grads: dict[str, torch.Tensor]) -> dict[str, float]:
         module = name.rpartition(".")[0]
         out[module] = out.get(module, 0.0) + float(g.detach().double().square().sum())
     return out
-
-
-def diff_sq(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """‖a − b‖² over the parameters in both."""
-    return sum(float((a[k].double() - b[k].double()).square().sum()) for k in a.keys() & b.keys())
 
 
 def reduce_tables(reduce: Reduce | None, *tables: dict[str, float]) -> list[dict[str, float]]:

@@ -195,6 +195,8 @@ class ACGCPolicy(ACGCState, NoiseBudget, ScopeFloors, ModelCorrections, Calibrat
         self._sens: dict[str, deque[tuple[int, dict[str, float], float]]] = {}
         self._grad_sq: deque[float] = deque(maxlen=history)
         self._noise_sq: deque[float] = deque(maxlen=history)
+        self._layer_noise_sq: deque[dict[str, float]] = deque(maxlen=history)
+        self._layer_errors: dict[str, float] = {}  # e_m per module in force (noise budget)
         self._layer_grad_sq: deque[dict[str, float]] = deque(maxlen=history)
         self._structure: dict[str, SiteRecord] = {}
         self._norm_params: list[str] = []
@@ -204,8 +206,8 @@ class ACGCPolicy(ACGCState, NoiseBudget, ScopeFloors, ModelCorrections, Calibrat
         self._raw_bits: dict[str, int] = {}
         self._predicted: float | None = None
         self._exact: dict[str, torch.Tensor] | None = None
-        self._pending_noise: float | None = None
-        self.error_target = self.gradient_error or self.max_error
+        self._pending_noise: dict[str, float] | None = None
+        self.error_target = self.gradient_error or self.fallback_error
         self._mark = 0.0  # time of the last calibration event
         self._calib_s = 0.0
         self._step_s: float | None = None  # an ordinary step's time (between the hooks)
@@ -350,6 +352,11 @@ class ACGCPolicy(ACGCState, NoiseBudget, ScopeFloors, ModelCorrections, Calibrat
         # modules not held to e themselves (below layer_floor) join the global budget
         floor = self.layer_floor * g_sq
         layer_sq = {m: v if v > floor else 0.0 for m, v in layer_sq.items()}
+        # a layer's own budget is e_m²·‖g_m‖² (e_m = e without a noise budget): the
+        # allocation reads it as e²·(‖g_m‖²·(e_m/e)²)
+        self._layer_errors = self.layer_errors(layer_sq)
+        e = self.error_target
+        layer_sq = {m: v * (self._layer_errors[m] / e) ** 2 for m, v in layer_sq.items()}
         sens = average(self._sens)
         args = (layer_sq, g_sq, e_sq, self.lam, self._own_scale, self.layer_share)
         if self.codec == "bounded":

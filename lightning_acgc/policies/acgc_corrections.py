@@ -101,19 +101,22 @@ class ModelCorrections:
         ``history`` readings, so it falls back at once where a tightening was not needed,
         and rises at most ``max_tightening`` per reading, so a source that was not the
         cause does not ratchet up."""
-        budget = self.target * self.error_target**2
-        worst = 0.0
+        worst = use = 0.0
         needs: dict[str, float] = {}  # measured error / budget, per module
         through_delta: dict[str, float] = {}  # the part of that not from its own input
         for module, g in module_g.items():
             if g <= self.layer_floor * g_sq:
                 continue
             err = module_err.get(module, 0.0)
+            e_m = self._layer_errors.get(module, self.error_target)
+            budget = self.target * e_m**2
             worst = max(worst, err / g)
+            use = max(use, err / (e_m**2 * g))
             needs[module] = err / (budget * g)
             own = self._predicted_own.get(module, 0.0)
             through_delta[module] = max(err - own, 0.0) / ((1 - self.layer_share) * budget * g)
         self._metrics["layer_grad_error"] = math.sqrt(worst)
+        self._metrics["layer_budget_use"] = math.sqrt(use)  # worst ‖ĝ_m − g_m‖ / (e_m‖g_m‖)
         if self._predicted is None or not needs:
             return  # the settings in force were not allocated this step (first step)
         # Per scope: the δ part of its over-budget modules (one whose own input explains

@@ -5,6 +5,14 @@ before :meth:`set_exact_gradients`); Var(g) ≈ ‖g1 − g2‖²/4, so the allo
 error is e_noise = ρ·‖g1 − g2‖/(2‖g‖) (both averaged over the last ``history``
 readings). With ``gradient_error`` also given, the smaller of the two holds; with
 ``noise_ratio`` alone, e_noise (at most ``max_error``). Logged as ``error_target``.
+
+The same holds per layer: module m's own allowed error is e_m = ρ·‖g1_m − g2_m‖/(2‖g_m‖)
+(capped like e), so a layer whose gradient is noisy anyway takes more of the rounding
+error and one whose gradient is nearly exact less. Adam divides each coordinate by its
+second moment, which holds the sampling variance too, so error relative to a layer's
+own noise is what its update sees. Until the first reading of the halves (and for a
+batch that cannot be halved, such as a full graph) the budget is ``fallback_error``
+(or ``gradient_error``), never looser.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ import time
 
 import torch
 
-from lightning_acgc.policies._acgc_stats import diff_sq, reduce_tables
+from lightning_acgc.policies._acgc_stats import per_module_sq, reduce_tables
 from lightning_acgc.policies.base import Reduce
 
 __all__ = ["NoiseBudget"]
@@ -23,8 +31,11 @@ __all__ = ["NoiseBudget"]
 class NoiseBudget:
     """Mixin of :class:`~lightning_acgc.policies.acgc.ACGCPolicy`: this calibration's
     allowed error from ``gradient_error`` and/or ``noise_ratio``. Uses the policy's
-    ``noise_ratio``, ``gradient_error``, ``max_error``, ``error_target``, ``_grad_sq``,
-    ``_noise_sq``, ``_pending_noise``, ``_calib_s``, ``_mark`` and ``_metrics``."""
+    ``noise_ratio``, ``gradient_error``, ``max_error``, ``fallback_error``,
+    ``error_target``, ``_grad_sq``, ``_noise_sq``, ``_layer_noise_sq``, ``_pending_noise``,
+    ``_calib_s``, ``_mark`` and ``_metrics``."""
+
+    fallback_error = 0.05  # noise_ratio without a reading of the halves: this e holds
 
     def needs_noise_estimate(self, step: int) -> bool:
         """Whether the adapter should pass the gradients of the batch's two halves."""
@@ -45,9 +56,15 @@ class NoiseBudget:
         """The exact gradients (by parameter name) of the two halves of this step's batch,
         each the loss's mean over its half; call before :meth:`set_exact_gradients`."""
         self._calib_s += self._lap()
-        (table,) = reduce_tables(reduce, {"": diff_sq(first, second)})
-        self._pending_noise = table[""]
+        diff = {k: first[k].double() - second[k].double() for k in first.keys() & second.keys()}
+        (table,) = reduce_tables(reduce, per_module_sq(diff))
+        self._pending_noise = table
         self._calib_s += self._lap()
+
+    @property
+    def _cap(self) -> float:
+        """The loosest error any budget allows: ``gradient_error``, else ``max_error``."""
+        return min(self.gradient_error or self.max_error, self.max_error)
 
     def _update_target(self, g_sq: float) -> None:
         """This calibration's allowed error e: ``gradient_error`` and/or the noise budget."""
@@ -55,12 +72,37 @@ class NoiseBudget:
         if self.noise_ratio is None:
             return
         if self._pending_noise is not None:
-            self._noise_sq.append(self._pending_noise)
+            self._noise_sq.append(sum(self._pending_noise.values()))
+            self._layer_noise_sq.append(self._pending_noise)
             self._pending_noise = None
         if not self._noise_sq:
+            self.error_target = self.gradient_error or self.fallback_error
             return
         mean_g = sum(self._grad_sq) / len(self._grad_sq)
         noise = sum(self._noise_sq) / len(self._noise_sq)
         e_noise = self.noise_ratio * math.sqrt(noise / 4 / mean_g) if mean_g > 0 else 0.0
         self._metrics["noise_error"] = e_noise
-        self.error_target = min(e_noise, self.gradient_error or self.max_error, self.max_error)
+        self.error_target = min(e_noise, self._cap)
+
+    def layer_errors(self, layer_sq: dict[str, float]) -> dict[str, float]:
+        """Each module's allowed relative error e_m, given its mean squared gradient norm:
+        the noise budget of its own gradient where there are readings of the halves
+        (capped like e), else the model's e.
+
+        Example:
+            >>> from lightning_acgc.policies.acgc import ACGCPolicy
+            >>> policy = ACGCPolicy(noise_ratio=0.5)
+            >>> policy._layer_noise_sq.append({"fc": 4.0})
+            >>> policy.layer_errors({"fc": 1.0, "head": 1.0})
+            {'fc': 0.5, 'head': 0.05}
+        """
+        e = self.error_target
+        if self.noise_ratio is None or not self._layer_noise_sq:
+            return {m: e for m in layer_sq}
+        readings = list(self._layer_noise_sq)
+        out = {}
+        for m, g in layer_sq.items():
+            noise = sum(r.get(m, 0.0) for r in readings) / len(readings)
+            e_m = self.noise_ratio * math.sqrt(noise / 4 / g) if g > 0 and noise > 0 else e
+            out[m] = min(e_m, self._cap)
+        return out

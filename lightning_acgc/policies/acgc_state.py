@@ -36,6 +36,8 @@ class ACGCState:
             "sens": {k: list(v) for k, v in self._sens.items()},
             "grad_sq": list(self._grad_sq),
             "noise_sq": list(self._noise_sq),
+            "layer_noise_sq": list(self._layer_noise_sq),
+            "layer_errors": dict(self._layer_errors),
             "layer_grad_sq": list(self._layer_grad_sq),
             "inv_var": dict(self._inv_var),
             "structure": {k: dataclasses.asdict(r) for k, r in self._structure.items()},
@@ -65,6 +67,8 @@ class ACGCState:
         }
         self._grad_sq = deque(state["grad_sq"], maxlen=self.history)
         self._noise_sq = deque(state.get("noise_sq", ()), maxlen=self.history)
+        self._layer_noise_sq = deque(state.get("layer_noise_sq", ()), maxlen=self.history)
+        self._layer_errors = dict(state.get("layer_errors", {}))
         self._layer_grad_sq = deque(state["layer_grad_sq"], maxlen=self.history)
         self._inv_var = dict(state["inv_var"])
         self._structure = {

@@ -1,0 +1,97 @@
+"""acgc's noise-relative budget per layer: a layer whose gradient is noisy anyway gets a
+looser bound (and fewer bits) than one whose gradient is nearly exact; without readings
+of the batch's halves the budget falls back to a fixed error, never to the loosest."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_acgc.engine import ActivationCompressor, EngineSettings, compressed_step
+from lightning_acgc.policies import build_policy
+
+
+class TwoBranches(nn.Module):
+    """y ≈ a(x_a) + b(x_b): two weight ops with inputs of their own."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.a = nn.Linear(d, 1, bias=False)
+        self.b = nn.Linear(d, 1, bias=False)
+
+    def forward(self, xa: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
+        return (self.a(xa) + self.b(xb)).squeeze(1)
+
+
+def _fit(
+    options: dict, steps: int = 6, batch: int = 1024, d: int = 16, halves: bool = True
+) -> tuple[TwoBranches, object, list[dict]]:
+    """Branch ``a`` starts at its optimum (its gradient is sampling noise alone), branch
+    ``b`` far from it (its gradient is mostly signal)."""
+    torch.manual_seed(0)
+    wa, wb = torch.randn(d), torch.randn(d)
+    model = TwoBranches(d)
+    with torch.no_grad():
+        model.a.weight.copy_(wa)
+        model.b.weight.copy_(wb + 3 * torch.randn(d))
+    policy = build_policy("acgc", calibrate_every=1, warmup_steps=1, **options)
+    engine = ActivationCompressor(policy, model=model, settings=EngineSettings(min_numel=0))
+    engine.install()
+    policy.setup(model)
+    history = []
+    try:
+        for step in range(steps):
+            g = torch.Generator().manual_seed(step)
+            xa, xb = torch.randn(batch, d, generator=g), torch.randn(batch, d, generator=g)
+            y = xa @ wa + xb @ wb + torch.randn(batch, generator=g)
+
+            def loss(lo: int = 0, hi: int = batch, xa=xa, xb=xb, y=y) -> torch.Tensor:
+                return (model(xa[lo:hi], xb[lo:hi]) - y[lo:hi]).square().mean()
+
+            model.zero_grad()
+            h = batch // 2
+            pair = (lambda h=h: loss(0, h), lambda h=h: loss(h, batch)) if halves else None
+            compressed_step(engine, model, loss, step, loss_halves=pair)
+            history.append(policy.metrics())
+    finally:
+        engine.remove()
+    return model, policy, history
+
+
+def test_noisy_layer_gets_the_looser_bound_and_fewer_bits() -> None:
+    _, policy, history = _fit({"noise_ratio": 0.5})
+    e = policy._layer_errors
+    assert e["a"] > 4 * e["b"], e  # a's gradient is noise; b's is signal
+    assert e["a"] == pytest.approx(min(policy.max_error, e["a"]))
+    bits = policy.site_bits
+    assert bits["a:0"] < bits["b:0"], bits
+    # every calibration keeps its promise: globally and per layer
+    assert all(h["grad_error"] <= h["error_target"] for h in history)
+    assert all(h["layer_budget_use"] <= 1.0 for h in history[1:]), history
+
+
+def test_one_bound_for_every_layer_without_a_noise_budget() -> None:
+    _, policy, _ = _fit({"gradient_error": 0.2})
+    assert set(policy._layer_errors.values()) == {0.2}
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [({"noise_ratio": 0.5}, 0.05), ({"noise_ratio": 0.5, "gradient_error": 0.3}, 0.3)],
+)
+def test_without_halves_the_budget_falls_back(options: dict, expected: float) -> None:
+    _, policy, history = _fit(options, steps=3, halves=False)
+    assert policy.error_target == expected
+    assert "noise_error" not in history[-1]
+    assert math.isclose(history[-1]["error_target"], expected)
+
+
+def test_layer_noise_survives_a_checkpoint() -> None:
+    _, policy, _ = _fit({"noise_ratio": 0.5}, steps=3)
+    fresh = build_policy("acgc", noise_ratio=0.5, calibrate_every=1, warmup_steps=1)
+    fresh.load_state_dict(policy.state_dict())
+    assert fresh._layer_errors == policy._layer_errors
+    assert list(fresh._layer_noise_sq) == list(policy._layer_noise_sq)
