@@ -63,7 +63,8 @@ class ACGCCompressionSchema(CompressionSchema):
     """``policy="acgc"``: per-site error bounds from an allowed relative gradient error."""
 
     calibrate_every: int = MISSING
-    gradient_error: float = MISSING
+    gradient_error: float | None = MISSING
+    noise_ratio: float | None = MISSING
     verify: bool = MISSING
 
 

@@ -159,14 +159,17 @@ class CalibrationCycle:
         self,
         model: nn.Module,
         loss_halves: tuple[Callable[[], torch.Tensor | None], Callable[[], torch.Tensor | None]],
+        scale: float = 1.0,
     ) -> bool:
         """For a policy with a noise-relative budget that wants it this step
-        (``needs_noise_estimate``): the exact gradients of the batch's two halves, averaged
-        over ranks, handed to ``policy.set_noise_gradients``. Whether they were."""
+        (``needs_noise_estimate``): the exact gradients of the batch's two halves (each
+        times ``scale``), averaged over ranks, handed to ``policy.set_noise_gradients``.
+        Whether they were. With k batches accumulated into a step, one batch's halves
+        with ``scale`` = 1/√k measure the step's noise (its variance is one batch's / k)."""
         wants = getattr(self.policy, "needs_noise_estimate", None)
         if wants is None or self.step is None or not wants(self.step):
             return False
-        halves = [exact_gradients(self.engine, model, f) for f in loss_halves]
+        halves = [exact_gradients(self.engine, model, f, scale) for f in loss_halves]
         if halves[0] is None or halves[1] is None:
             return False
         g1, g2 = (mean_over_ranks(g, self.reduce, self.world_size) for g in halves)

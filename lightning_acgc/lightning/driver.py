@@ -24,6 +24,7 @@ from lightning_acgc.lightning._loop import (
     step_loss,
     training_loss,
 )
+from lightning_acgc.lightning.halves import split_batch
 from lightning_acgc.lightning.memory import static_memory_bytes
 from lightning_acgc.lightning.options import policy_text
 from lightning_acgc.lightning.scope import CompressionScopeMixin, TrainingStepPatch
@@ -70,6 +71,7 @@ class CalibrationDriver:
         self._patch: TrainingStepPatch | None = None
         self._strategy: CompressionScopeMixin | None = None
         self._ranks_checked = False
+        self._noise_step: int | None = None  # the step whose halves were measured
         self._warned: set[str] = set()
 
     # -- the scope of training_step ------------------------------------------------
@@ -118,6 +120,7 @@ class CalibrationDriver:
             engine.remove()
             raise
         self.cycle = CalibrationCycle(engine, make_reduce(trainer), trainer.world_size)
+        self._noise_step = None
         self.active = True
         self._ranks_checked = False
 
@@ -140,12 +143,20 @@ class CalibrationDriver:
     def batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        """Begin the step; on its batches, the exact gradient if the policy wants it."""
+        """Begin the step; on its batches, the exact gradient if the policy wants it (and
+        on its first batch the halves' gradients, for a noise-relative budget)."""
         if not self.active or self.cycle is None:
             return
-        if not self.cycle.begin(trainer.global_step):
+        wants_exact = self.cycle.begin(trainer.global_step)
+        first_batch = self._noise_step != self.cycle.step
+        self._noise_step = self.cycle.step
+        if batch is None or not (wants_exact or self._wants_noise()):
             return
-        if batch is None or not self._exact_supported(trainer, pl_module):
+        if not self._exact_supported(trainer, pl_module):
+            return
+        if first_batch:
+            self._add_noise_estimate(trainer, pl_module, batch, batch_idx)
+        if not wants_exact:
             return
         # Handed over before the forward, as the policy protocol says; with gradient
         # accumulation, before the forward of the step's last batch, with the whole sum.
@@ -155,6 +166,34 @@ class CalibrationDriver:
             scale=1.0 / trainer.accumulate_grad_batches,
             last=not _accumulating(trainer),
         )
+
+    def _wants_noise(self) -> bool:
+        """Whether the policy wants the halves' gradients on the step begun."""
+        wants = getattr(self.policy, "needs_noise_estimate", None)
+        step = None if self.cycle is None else self.cycle.step
+        return wants is not None and step is not None and bool(wants(step))
+
+    def _add_noise_estimate(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """For a noise-relative budget on a step that wants it: the exact gradients of
+        the batch's two halves (before the exact gradient of the whole batch)."""
+        assert self.cycle is not None
+        if not self._wants_noise():
+            return
+        halves = split_batch(batch)
+        if halves is None:
+            self.warn_once(
+                "halves",
+                f"the noise-relative budget needs the batch's two halves, but a batch of type "
+                f"{type(batch).__name__} has no batch dimension to cut (a full graph, or "
+                "tensors of different lengths); the policy holds gradient_error instead "
+                "(or 0.05). Pass gradient_error= to choose that bound yourself",
+            )
+            return
+        losses = tuple(step_loss(trainer, pl_module, h, batch_idx) for h in halves)
+        scale = trainer.accumulate_grad_batches**-0.5  # one batch of the step's k
+        self.cycle.add_noise_estimate(pl_module, losses, scale)  # type: ignore[arg-type]
 
     def before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """End the step (once); under DDP, check that the ranks' settings agree."""
@@ -223,8 +262,11 @@ class CalibrationDriver:
         step, budget = self.step, engine.memory_budget
         engine.memory_budget = None  # the search, not this step, finds what fits
         try:
-            if cycle.begin(trainer.global_step) and self._exact_supported(trainer, pl_module):
-                cycle.add_exact_gradient(pl_module, step_loss(trainer, pl_module, batch, 0))
+            wants_exact = cycle.begin(trainer.global_step)
+            if (wants_exact or self._wants_noise()) and self._exact_supported(trainer, pl_module):
+                self._add_noise_estimate(trainer, pl_module, batch, 0)
+                if wants_exact:
+                    cycle.add_exact_gradient(pl_module, step_loss(trainer, pl_module, batch, 0))
             named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
             with offline(pl_module):
                 output = self.run(call_training_step, trainer, pl_module, batch, 0)
@@ -243,6 +285,7 @@ class CalibrationDriver:
         finally:
             engine.memory_budget = budget
             self.step = step
+            self._noise_step = None
             cycle.reset()  # the fit's first step calibrates afresh
 
     def warn_once(self, key: str, message: str) -> None:
