@@ -183,12 +183,20 @@ class CalibrationDriver:
             return
         halves = split_batch(batch)
         if halves is None:
+            fixed = getattr(self.policy, "gradient_error", None)
+            bound = (
+                f"gradient_error={fixed}"
+                if fixed is not None
+                else f"the policy's fixed error {getattr(self.policy, 'fallback_error', None)}"
+            )
             self.warn_once(
                 "halves",
                 f"the noise-relative budget needs the batch's two halves, but a batch of type "
-                f"{type(batch).__name__} has no batch dimension to cut (a full graph, or "
-                "tensors of different lengths); the policy holds gradient_error instead "
-                "(or 0.05). Pass gradient_error= to choose that bound yourself",
+                f"{type(batch).__name__} has no batch dimension to cut (a full graph, one "
+                "sample, or tensors of different lengths); the budget falls back to "
+                f"{bound}. To keep the noise-relative budget, give "
+                "training_step a tensor, or a tuple, list or dict of tensors sharing their "
+                "first (batch) dimension; or pass gradient_error= to choose the fixed bound",
             )
             return
         losses = tuple(step_loss(trainer, pl_module, h, batch_idx) for h in halves)
