@@ -16,8 +16,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_acgc import ActivationCompression
+from lightning_acgc.codecs import CodecSpec
+from lightning_acgc.lightning.batch_size import CompressedBatchSizeFinder
 from lightning_acgc.lightning.halves import split_batch
-from tests._lightning_models import fit
+from tests._lightning_models import ManualTwoForward, ProbePolicy, TinyCNN, TinyMLP, fit
 
 
 @pytest.mark.parametrize(
@@ -189,6 +191,171 @@ def test_a_batch_without_a_batch_dimension_falls_back_with_one_warning() -> None
     with pytest.warns(
         UserWarning, match="noise-relative budget needs the batch's two halves"
     ) as rec:
-        fit(GraphLike(), [cb], max_steps=4)
-    assert sum("two halves" in str(w.message) for w in rec) == 1
+        trainer = fit(GraphLike(), [cb], max_steps=4)
+    messages = [str(w.message) for w in rec if "two halves" in str(w.message)]
+    assert len(messages) == 1  # 4 calibration steps (every step), one warning
+    assert "falls back to the policy's fixed error 0.05" in messages[0]
+    assert "tuple, list or dict of tensors sharing their first (batch) dimension" in messages[0]
+    assert trainer.global_step == 4  # training went on
     assert cb.policy.metrics()["error_target"] == cb.policy.fallback_error
+
+
+# -- the cut itself: values, nesting, leaves kept -------------------------------------
+def test_split_batch_halves_rejoin_to_the_batch_and_keep_other_leaves() -> None:
+    x, y = torch.randn(7, 3), torch.arange(7)
+    batch = [(x, "ids"), {"y": y, "n": 7, "none": None}]
+    first, second = split_batch(batch)
+    assert torch.equal(torch.cat([first[0][0], second[0][0]]), x)
+    assert torch.equal(first[1]["y"], y[:3]) and torch.equal(second[1]["y"], y[3:])
+    for half in (first, second):
+        assert type(half) is list and type(half[0]) is tuple
+        assert half[0][1] == "ids" and half[1]["n"] == 7 and half[1]["none"] is None
+
+
+# -- the budget: e = min(e_noise, gradient_error or max_error), as plain PyTorch ------
+@pytest.mark.parametrize("gradient_error", [None, 0.3, 0.01])
+def test_error_target_is_the_tighter_of_noise_and_fixed_bound(
+    gradient_error: float | None,
+) -> None:
+    cb = _callback(noise_ratio=0.5, gradient_error=gradient_error)
+    fit(Regression(batch=512), [cb], max_steps=4)
+    metrics, policy = cb.policy.metrics(), cb.policy
+    assert metrics["noise_error"] > 0
+    cap = min(gradient_error or policy.max_error, policy.max_error)
+    assert metrics["error_target"] == pytest.approx(min(metrics["noise_error"], cap))
+    if gradient_error == 0.01:  # the fixed bound is the tighter here (e_noise ≈ 0.22)
+        assert metrics["error_target"] == pytest.approx(0.01)
+    else:
+        assert metrics["error_target"] == pytest.approx(metrics["noise_error"])
+
+
+@pytest.mark.parametrize("batch", [256, 1024])
+def test_lightning_reproduces_the_plain_pytorch_budget(batch: int) -> None:
+    """The same closed form as ``compressed_step(..., loss_halves=...)`` reaches, and
+    close to what that plain-PyTorch loop measures on its own data."""
+    from tests.test_acgc_quant import _regression
+
+    expected, history = _regression(batch)
+    cb = _callback(noise_ratio=0.5, warmup_steps=1)
+    fit(Regression(batch=batch), [cb], max_steps=6)
+    got = cb.policy.metrics()["error_target"]
+    assert got == pytest.approx(expected, rel=0.25)
+    assert got == pytest.approx(history[-1]["error_target"], rel=0.25)
+
+
+def test_hydra_config_passes_noise_ratio_to_the_policy() -> None:
+    from hydra.utils import instantiate
+
+    from recipes.config_schema import compose_config
+
+    overrides = ["compression=acgc", "compression.noise_ratio=0.5"]
+    cb = instantiate(compose_config(overrides).compression)
+    assert cb.policy.noise_ratio == 0.5 and cb.policy.gradient_error == 0.05  # the tighter holds
+    cb = instantiate(compose_config([*overrides, "compression.gradient_error=null"]).compression)
+    assert cb.policy.noise_ratio == 0.5 and cb.policy.gradient_error is None
+    assert instantiate(compose_config(["compression=acgc"]).compression).policy.noise_ratio is None
+
+
+# -- how often training_step runs (README, "Calibration steps") -----------------------
+class CountingMLP(TinyMLP):
+    """Records each ``training_step`` call: (re-run for calibration?, batch size)."""
+
+    def __init__(self) -> None:
+        super().__init__(samples=64, batch_size=8)
+        self.calls: list[tuple[bool, int]] = []
+
+    def training_step(self, batch, batch_idx):
+        self.calls.append((getattr(self, "acgc_calibrating", False), batch[0].shape[0]))
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize(("noise_ratio", "accumulate", "total"), [
+    (None, 1, 17), (None, 2, 34), (0.5, 1, 27), (0.5, 2, 44),
+])  # fmt: skip
+def test_training_step_calls_with_and_without_noise_ratio(
+    noise_ratio: float | None, accumulate: int, total: int
+) -> None:
+    """12 steps with calibrate_every=5 calibrate at steps 0, 1, 2, 5, 10: the README's
+    17 (34) calls, and 2 more per calibration step (on its first batch's halves, 4
+    samples each) with noise_ratio."""
+    model = CountingMLP()
+    cb = ActivationCompression(
+        policy="acgc", calibrate_every=5, min_numel=0, print_table=False, noise_ratio=noise_ratio
+    )
+    fit(model, [cb], max_steps=12, max_epochs=-1, accumulate_grad_batches=accumulate)
+    assert len(model.calls) == total
+    halves = [c for c in model.calls if c == (True, 4)]
+    assert len(halves) == (0 if noise_ratio is None else 2 * 5)
+    assert model.calls.count((False, 8)) == 12 * accumulate  # the compressed calls
+    assert model.calls.count((True, 8)) == 5 * accumulate  # the exact gradients
+
+
+# -- the order of the calls: halves before the exact gradient, once per step ----------
+class NoiseProbe(ProbePolicy):
+    """A :class:`ProbePolicy` that also wants the halves' gradients on its exact steps."""
+
+    name = "noise_probe"
+
+    def __init__(self, exact_every: int = 2) -> None:
+        super().__init__(CodecSpec("quant", {"bits": 4}), exact_every)
+        self.halves: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
+
+    def needs_noise_estimate(self, step: int) -> bool:
+        return self.needs_exact_gradient(step)
+
+    def set_noise_gradients(self, first: dict, second: dict, reduce: object = None) -> None:
+        self.calls.append(("noise", len(first)))
+        self.halves.append((first, second))
+
+    def set_exact_gradients(self, grads: dict[str, torch.Tensor], reduce: object = None) -> None:
+        super().set_exact_gradients(grads, reduce)
+        self.whole = grads
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_halves_come_first_and_once_a_step(accumulate: int) -> None:
+    policy = NoiseProbe(exact_every=2)
+    fit(
+        TinyMLP(samples=64, batch_size=8),
+        [ActivationCompression(policy, print_table=False)],
+        max_steps=4,
+        accumulate_grad_batches=accumulate,
+    )
+    steps = [c for c in policy.calls if c[0] in ("begin", "noise", "exact", "end")]
+    params = len(policy.halves[0][0])
+    assert steps == [
+        ("begin", 0), ("noise", params), ("exact", params), ("end", 0),
+        ("begin", 1), ("end", 1),
+        ("begin", 2), ("noise", params), ("exact", params), ("end", 2),
+        ("begin", 3), ("end", 3),
+    ]  # fmt: skip
+    if accumulate == 1:  # the mean loss of two equal halves: their gradients average to g
+        first, second = policy.halves[-1]
+        for name, g in policy.whole.items():
+            torch.testing.assert_close((first[name] + second[name]) / 2, g)
+
+
+def test_calibration_step_before_the_batch_search_gets_the_halves(tmp_path) -> None:
+    policy = NoiseProbe(exact_every=1000)
+    finder = CompressedBatchSizeFinder("power", steps_per_trial=1, compare_uncompressed=False)
+    cb = ActivationCompression(
+        policy, scale_batch_size=finder, memory_budget="256KiB", print_table=False
+    )
+    fit(TinyCNN(), [cb], max_steps=1, default_root_dir=str(tmp_path))
+    params = len(policy.halves[0][0])
+    assert policy.calls[:6] == [
+        ("setup", "TinyCNN"),
+        ("begin", 0),
+        ("noise", params),  # on the first batch of 2 samples, cut into 1 + 1
+        ("exact", params),
+        ("end", 0),
+        ("begin", 0),
+    ]
+    assert policy.calls.count(("noise", params)) == 2  # and the fit's step 0 again
+
+
+def test_manual_optimization_computes_no_halves() -> None:
+    policy = NoiseProbe(exact_every=1)
+    with pytest.warns(UserWarning, match="automatic optimization"):
+        fit(ManualTwoForward(), [ActivationCompression(policy, print_table=False)], max_steps=2)
+    assert not any(c[0] in ("noise", "exact") for c in policy.calls)
