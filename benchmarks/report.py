@@ -107,6 +107,31 @@ def _section(title: str, result: dict[str, Any] | None, table: list[str]) -> lis
     return [f"**{title}**{label}:", "", *table, ""]
 
 
+def sweep_section(results: Path = RESULTS) -> list[str]:
+    """The paired-seed sweep's summary, made from its run lines
+    (``benchmarks/results/sweep.jsonl``)."""
+    from benchmarks.sweep import format_table, read_runs, summarize
+
+    path = results / "sweep.jsonl"
+    runs = read_runs(path) if path.exists() else []
+    if not runs:
+        return []
+    commits = ", ".join(dict.fromkeys(r.get("commit", "unknown") for r in runs))
+    label = f"commit {commits}, {machine_line(runs[-1]['machine'])}"
+    return _section(
+        "Paired-seed accuracy sweep: final validation loss, compressed minus plain on the "
+        f"same seed, against plain's seed-to-seed spread ({label})",
+        None,
+        [
+            *format_table(summarize(runs)).splitlines(),
+            "",
+            "Each run line in `benchmarks/results/sweep.jsonl` holds its Hydra overrides "
+            "(`python -m benchmarks.sweep`); `--summarize benchmarks/results/sweep.jsonl` "
+            "prints this table again.",
+        ],
+    )
+
+
 def render(results: Path = RESULTS, mode: str = "auto") -> str:
     """README's results section, made from the result lines alone (nothing is written)."""
     everything = load_all(results)
@@ -152,6 +177,7 @@ def render(results: Path = RESULTS, mode: str = "auto") -> str:
         picked.get("accuracy"),
         accuracy_table(picked.get("accuracy")),
     )
+    lines += sweep_section(results)
     batch = picked.get("batch")
     search = f" ({batch['search']} search)" if batch else ""
     lines += _section(
