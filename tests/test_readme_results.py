@@ -80,3 +80,16 @@ def test_store_replaces_only_the_line_of_its_mode(tmp_path: Path, mode: str) -> 
     assert sorted((r["mode"], r["n"]) for r in lines) == sorted(
         [(mode, 3), ("full" if mode == "quick" else "quick", 2 if mode == "quick" else 1)]
     )
+
+
+def test_the_sweep_table_is_made_from_its_run_lines(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    shutil.copytree(RESULTS, results)
+    sweep = results / "sweep.jsonl"
+    assert "Paired-seed accuracy sweep" in render(results)
+    runs = [json.loads(line) for line in sweep.read_text().splitlines() if line.strip()]
+    runs[0]["val_loss"] += 1.0
+    sweep.write_text("".join(json.dumps(r) + "\n" for r in runs))
+    assert render(results) != render(RESULTS)
+    sweep.unlink()
+    assert "Paired-seed accuracy sweep" not in render(results)
