@@ -232,7 +232,7 @@ def plot_sweep(summary: dict[str, Any], path: Path, plain: str = PLAIN) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(11, 5))
     markers = "osD^vP*Xh"
     configs = list(dict.fromkeys(c for rows in summary.values() for c in rows if c != plain))
     for i, (recipe, rows) in enumerate(summary.items()):
@@ -257,7 +257,7 @@ def plot_sweep(summary: dict[str, Any], path: Path, plain: str = PLAIN) -> Path:
     ax.set_xlabel("activation compression ratio (acgc/ratio)")
     ax.set_ylabel("paired val-loss difference vs plain (%)")
     ax.set_title("Paired-seed accuracy sweep (bands: plain's seed-to-seed spread)")
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
