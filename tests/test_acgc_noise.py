@@ -93,5 +93,17 @@ def test_layer_noise_survives_a_checkpoint() -> None:
     _, policy, _ = _fit({"noise_ratio": 0.5}, steps=3)
     fresh = build_policy("acgc", noise_ratio=0.5, calibrate_every=1, warmup_steps=1)
     fresh.load_state_dict(policy.state_dict())
-    assert fresh._layer_errors == policy._layer_errors
     assert list(fresh._layer_noise_sq) == list(policy._layer_noise_sq)
+    layer_sq = {"a": 1.0, "b": 2.0}
+    assert fresh.layer_errors(layer_sq) == policy.layer_errors(layer_sq)
+    assert fresh.error_target == policy.error_target
+
+
+def test_an_old_checkpoints_noise_total_still_loads() -> None:
+    _, policy, _ = _fit({"noise_ratio": 0.5}, steps=2)
+    state = policy.state_dict()
+    totals = [sum(r.values()) for r in state.pop("layer_noise_sq")]
+    fresh = build_policy("acgc", noise_ratio=0.5)
+    fresh.load_state_dict({**state, "noise_sq": totals})
+    fresh._update_target(sum(fresh._grad_sq) / len(fresh._grad_sq))
+    assert fresh.error_target == pytest.approx(policy.error_target, rel=1e-6)

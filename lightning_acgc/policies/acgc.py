@@ -194,8 +194,7 @@ class ACGCPolicy(ACGCState, NoiseBudget, ScopeFloors, ModelCorrections, Calibrat
         # per tensor: (numel, {weight op: fan_in·‖δ‖²}, other ops' factor) per calibration
         self._sens: dict[str, deque[tuple[int, dict[str, float], float]]] = {}
         self._grad_sq: deque[float] = deque(maxlen=history)
-        self._noise_sq: deque[float] = deque(maxlen=history)
-        self._layer_noise_sq: deque[dict[str, float]] = deque(maxlen=history)
+        self._layer_noise_sq: deque[dict[str, float]] = deque(maxlen=history)  # ‖g1_m − g2_m‖²
         self._layer_errors: dict[str, float] = {}  # e_m per module in force (noise budget)
         self._layer_grad_sq: deque[dict[str, float]] = deque(maxlen=history)
         self._structure: dict[str, SiteRecord] = {}

@@ -32,7 +32,7 @@ class NoiseBudget:
     """Mixin of :class:`~lightning_acgc.policies.acgc.ACGCPolicy`: this calibration's
     allowed error from ``gradient_error`` and/or ``noise_ratio``. Uses the policy's
     ``noise_ratio``, ``gradient_error``, ``max_error``, ``fallback_error``,
-    ``error_target``, ``_grad_sq``, ``_noise_sq``, ``_layer_noise_sq``, ``_pending_noise``,
+    ``error_target``, ``_grad_sq``, ``_layer_noise_sq``, ``_pending_noise``,
     ``_calib_s``, ``_mark`` and ``_metrics``."""
 
     fallback_error = 0.05  # noise_ratio without a reading of the halves: this e holds
@@ -72,14 +72,13 @@ class NoiseBudget:
         if self.noise_ratio is None:
             return
         if self._pending_noise is not None:
-            self._noise_sq.append(sum(self._pending_noise.values()))
             self._layer_noise_sq.append(self._pending_noise)
             self._pending_noise = None
-        if not self._noise_sq:
+        if not self._layer_noise_sq:
             self.error_target = self.gradient_error or self.fallback_error
             return
         mean_g = sum(self._grad_sq) / len(self._grad_sq)
-        noise = sum(self._noise_sq) / len(self._noise_sq)
+        noise = sum(sum(r.values()) for r in self._layer_noise_sq) / len(self._layer_noise_sq)
         e_noise = self.noise_ratio * math.sqrt(noise / 4 / mean_g) if mean_g > 0 else 0.0
         self._metrics["noise_error"] = e_noise
         self.error_target = min(e_noise, self._cap)

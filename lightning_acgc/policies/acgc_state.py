@@ -35,9 +35,7 @@ class ACGCState:
             "violated": dict(self._violated),
             "sens": {k: list(v) for k, v in self._sens.items()},
             "grad_sq": list(self._grad_sq),
-            "noise_sq": list(self._noise_sq),
             "layer_noise_sq": list(self._layer_noise_sq),
-            "layer_errors": dict(self._layer_errors),
             "layer_grad_sq": list(self._layer_grad_sq),
             "inv_var": dict(self._inv_var),
             "structure": {k: dataclasses.asdict(r) for k, r in self._structure.items()},
@@ -66,9 +64,9 @@ class ACGCState:
             k: deque((tuple(h) for h in v), maxlen=self.history) for k, v in state["sens"].items()
         }
         self._grad_sq = deque(state["grad_sq"], maxlen=self.history)
-        self._noise_sq = deque(state.get("noise_sq", ()), maxlen=self.history)
-        self._layer_noise_sq = deque(state.get("layer_noise_sq", ()), maxlen=self.history)
-        self._layer_errors = dict(state.get("layer_errors", {}))
+        # (checkpoints from before the per-layer noise budget hold the totals alone)
+        noise = state.get("layer_noise_sq") or [{"": v} for v in state.get("noise_sq", ())]
+        self._layer_noise_sq = deque(noise, maxlen=self.history)
         self._layer_grad_sq = deque(state["layer_grad_sq"], maxlen=self.history)
         self._inv_var = dict(state["inv_var"])
         self._structure = {
