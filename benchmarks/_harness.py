@@ -272,7 +272,8 @@ def count_saved(recipe: Recipe, module: nn.Module, blocks: Sequence[str] = ()) -
 
     def remember(_: nn.Module, args: tuple, kwargs: dict) -> None:
         for t in (*args, *kwargs.values()):
-            if isinstance(t, torch.Tensor):
+            # (a sparse adjacency is the batch's graph, held by the caller all along)
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
                 ptr = t.untyped_storage().data_ptr()
                 inputs.setdefault(ptr, t.untyped_storage().nbytes())
 

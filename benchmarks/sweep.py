@@ -66,6 +66,8 @@ RECIPES: dict[str, list[str]] = {
     "resnet": ["model=resnet", "model.width=0.125", "trainer.max_epochs=3"],
     # BERT 2 x 64 on the generated marker-order task, 3000 sequences, 3 epochs
     "bert": ["model=bert", "data.num_samples=3000", "trainer.max_epochs=3"],
+    # the same, 6 epochs: past the plateau that 3 epochs leave some seeds on
+    "bert_long": ["model=bert", "data.num_samples=3000", "trainer.max_epochs=6"],
     # GCN 2 x 64 on the generated SBM graph, 2000 nodes, 3 x 10 full-graph steps
     "gnn": ["model=gnn", "data.num_nodes=2000", "trainer.max_epochs=3"],
 }

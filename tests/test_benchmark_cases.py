@@ -65,3 +65,17 @@ def test_gradient_error_is_zero_when_exact_and_positive_when_compressed() -> Non
     quant.step()
     assert gradient_error(exact, quant) > 1e-3
     quant.close()
+
+
+def test_checkpointing_counts_with_a_sparse_adjacency() -> None:
+    """The full-size GNN cases pass a sparse CSR adjacency into every checkpointed layer
+    (its storage cannot be read: it is the batch's graph, not an activation)."""
+    import dataclasses
+
+    from benchmarks._harness import checkpoint_blocks, count_saved, with_checkpointing
+
+    recipe = build_case("gnn", quick=True, device=torch.device("cpu"))
+    recipe = dataclasses.replace(recipe, batch=sparse_adjacency(recipe.batch))
+    blocks = checkpoint_blocks(recipe.name, recipe.module)
+    kept = count_saved(recipe, with_checkpointing(recipe.module, blocks), blocks)
+    assert 0 < kept <= count_saved(recipe, recipe.module)
