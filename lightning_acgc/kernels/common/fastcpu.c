@@ -190,7 +190,23 @@ void acgc_quant_unpack(const uint8_t *codes, int64_t n, int64_t gs, int bits, co
         for (int64_t c0 = 0; c0 < len; c0 += CHUNK) {
             int64_t m = len - c0 < CHUNK ? len - c0 : CHUNK;
             const uint8_t *s = src + c0 * bits / 8;
-            if (per) {
+            if (bits == 8) { /* constant widths: loops the compiler vectorizes */
+                for (int64_t j = 0; j < m; j++) c[j] = (float)s[j];
+            } else if (bits == 4) {
+                for (int64_t b = 0; b < (m + 1) / 2; b++) {
+                    uint32_t v = s[b];
+                    c[2 * b] = (float)(v & 15u);
+                    c[2 * b + 1] = (float)(v >> 4);
+                }
+            } else if (bits == 2) {
+                for (int64_t b = 0; b < (m + 3) / 4; b++) {
+                    uint32_t v = s[b];
+                    c[4 * b] = (float)(v & 3u);
+                    c[4 * b + 1] = (float)((v >> 2) & 3u);
+                    c[4 * b + 2] = (float)((v >> 4) & 3u);
+                    c[4 * b + 3] = (float)(v >> 6);
+                }
+            } else if (per) {
                 int64_t mb = (m + per - 1) / per;
                 for (int64_t b = 0; b < mb; b++)
                     for (int k = 0; k < per; k++)
@@ -200,10 +216,10 @@ void acgc_quant_unpack(const uint8_t *codes, int64_t n, int64_t gs, int bits, co
                 for (int64_t b = 0; b < (m + 7) / 8; b++)
                     codes8(s + b * bits, bits, b * bits + 16 <= end, c + 8 * b);
             }
-            if (z) {
+            if (z) { /* as the reference: v * min(c, 1) + 0, branch-free (vectorized) */
                 for (int64_t j = 0; j < m; j++) {
-                    float v = fmaf(c[j] - zf, st, l);
-                    dst[c0 + j] = c[j] == 0.0f ? 0.0f : v;
+                    float keep = c[j] < 1.0f ? c[j] : 1.0f;
+                    dst[c0 + j] = fmaf(c[j] - zf, st, l) * keep + 0.0f;
                 }
             } else {
                 for (int64_t j = 0; j < m; j++) dst[c0 + j] = fmaf(c[j], st, l);
