@@ -4,16 +4,16 @@ For each codec setting and tensor size (fp32, post-ReLU: about half zeros), time
 ``codec.encode(x)``, ``codec.decode(packed)`` and ``x.clone()`` interleaved round by round,
 so that drift and other load affect all three alike. Prints one JSON line: per setting and
 size the median (and min) of encode and decode as a multiple of the clone's median (min),
-and GB/s counting bytes read plus written.
+and GB/s counting bytes read plus written. Full mode (the default): 4 MB and 64 MB, 9
+rounds; ``--quick``: 4 MB, 5 rounds. ``run_all`` stores the line in
+``benchmarks/results/codecs.jsonl`` and ``report`` makes README's codec table from it.
 
-    python -m benchmarks.codecs [--sizes-mb 4 64] [--rounds 9] [--threads 2]
+    python -m benchmarks.codecs [--quick] [--sizes-mb 4 64] [--rounds 9] [--threads 2]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -21,6 +21,14 @@ from typing import Any
 
 import torch
 
+from benchmarks._machine import (
+    add_common_arguments,
+    emit,
+    machine,
+    resolve_device,
+    setup_threads,
+    synchronize,
+)
 from lightning_acgc.codecs import build_codec
 from lightning_acgc.codecs.quant import QuantWidthConfig
 
@@ -38,9 +46,11 @@ SETTINGS: dict[str, tuple[str, Any]] = {  # codec, its options (or config)
 }
 
 
-def _time(fn: Callable[[], Any]) -> float:
+def _time(fn: Callable[[], Any], device: torch.device) -> float:
+    synchronize(device)
     start = time.perf_counter()
     fn()
+    synchronize(device)
     return time.perf_counter() - start
 
 
@@ -54,9 +64,9 @@ def _measure(name: str, x: torch.Tensor, rounds: int) -> dict[str, Any]:
     x.clone()
     times: dict[str, list[float]] = {"clone": [], "encode": [], "decode": []}
     for r in range(rounds):
-        times["clone"].append(_time(x.clone))
-        times["encode"].append(_time(lambda r=r: codec.encode(x, seed=r)))
-        times["decode"].append(_time(lambda: codec.decode(packed)))
+        times["clone"].append(_time(x.clone, x.device))
+        times["encode"].append(_time(lambda r=r: codec.encode(x, seed=r), x.device))
+        times["decode"].append(_time(lambda: codec.decode(packed), x.device))
     raw = x.numel() * x.element_size()
     moved = {"clone": 2 * raw, "encode": raw + packed.nbytes, "decode": raw + packed.nbytes}
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -70,25 +80,35 @@ def _measure(name: str, x: torch.Tensor, rounds: int) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--sizes-mb", type=int, nargs="+", default=[4, 64])
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--threads", type=int, default=2)
+    add_common_arguments(parser)
+    parser.add_argument("--sizes-mb", type=int, nargs="+", default=None, help="4 64; quick: 4")
+    parser.add_argument("--rounds", type=int, default=None, help="default: 9; quick: 5")
     parser.add_argument("--only", nargs="*", default=list(SETTINGS), choices=list(SETTINGS))
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    args = parser.parse_args(argv)
+    mode = "quick" if args.quick else "full"
+    if args.threads is None and not args.quick:
+        args.threads = 2  # the CI machine's cores; --threads overrides
+    setup_threads(args)
+    sizes = args.sizes_mb or ([4] if args.quick else [4, 64])
+    rounds = args.rounds or (5 if args.quick else 9)
+    device = resolve_device(args.device)
     gen = torch.Generator().manual_seed(0)
     result: dict[str, Any] = {
         "benchmark": "codecs",
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
-        f"torch {torch.__version__}",
+        "mode": mode,
+        "machine": machine(device),
+        "threads": args.threads,
+        "rounds": rounds,
         "tensor": "fp32 post-ReLU (randn then relu)",
+        "sizes": {},
     }
-    for mb in args.sizes_mb:
-        x = torch.randn(mb * 2**20 // 4, generator=gen).relu_()
-        result[f"{mb}MB"] = {name: _measure(name, x, args.rounds) for name in args.only}
-    print(json.dumps(result))
+    for mb in sizes:
+        x = torch.randn(mb * 2**20 // 4, generator=gen).relu_().to(device)
+        result["sizes"][f"{mb}MB"] = {name: _measure(name, x, rounds) for name in args.only}
+    emit(result)
+    return result
 
 
 if __name__ == "__main__":

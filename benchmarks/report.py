@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import _plots
+from benchmarks._codec_tables import codec_bars, codecs_table
 from benchmarks._tables import (
     accuracy_table,
     bars,
@@ -45,7 +46,7 @@ README_PATH = ROOT / "README.md"
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ROOT / "docs"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
-BENCHMARKS = ("memory", "speed", "accuracy", "batch", "tradeoff")
+BENCHMARKS = ("memory", "speed", "accuracy", "batch", "tradeoff", "codecs")
 MODES = ("quick", "full")
 
 Results = dict[str, dict[str, Any]]
@@ -191,7 +192,14 @@ def render(results: Path = RESULTS, mode: str = "auto") -> str:
         picked.get("tradeoff"),
         tradeoff_table(picked.get("tradeoff")),
     )
+    lines += _section(
+        "Codec speed: encode and decode as a multiple of `x.clone()` of the same tensor",
+        picked.get("codecs"),
+        codecs_table(picked.get("codecs")),
+    )
     met, short = bars(picked)
+    codec_met, codec_short = codec_bars(picked.get("codecs"))
+    met, short = met + codec_met, short + codec_short
     lines += [f"**Where we fall short** (the project's bars, {mode} mode):", ""]
     lines += [f"- not met: {s}" for s in short] or ["- nothing: every bar is met"]
     lines += [f"- met: {s}" for s in met]

@@ -2,7 +2,8 @@
  * headers. Python passes data pointers through ctypes (lightning_acgc/kernels/common/
  * cpu_lib.py builds this file with gcc on first use). Every function computes exactly what
  * its pure-torch reference computes (same float32 operations, no FMA contraction: built
- * with -ffp-contract=off), so the outputs are bit-identical.
+ * with -ffp-contract=off), so the outputs are bit-identical. -fno-trapping-math (no value
+ * changes) lets loops with selects and divisions vectorize.
  */
 #include <math.h>
 #include <stdint.h>
@@ -305,13 +306,26 @@ static inline float round_kind(float v, int kind) {
 /* The format's decode of code q (float32) in a group (lo, s = |step|, zk), before the cast:
  * fl32(fl32(q' * s) + lo) clamped to +-top; zero-kept code 0 is +0.0. */
 static inline float bounded_value(float q, float lo, float s, int zk, float top) {
-    if (zk && q == 0.0f) return 0.0f;
     float v = (q - (float)zk) * s;
     v = v + lo;
     v = v < -top ? -top : v;
-    return v > top ? top : v;
+    v = v > top ? top : v;
+    return (zk & (q == 0.0f)) ? 0.0f : v; /* a select, not a branch: loops vectorize */
 }
 
+
+/* 8 codes of width w (1..16) as a little-endian bit stream into the w bytes at dst. */
+static inline void pack8(const uint32_t *q, int w, uint8_t *dst) {
+    if (w <= 8) {
+        uint64_t v = 0;
+        for (int k = 0; k < 8; k++) v |= (uint64_t)q[k] << (k * w);
+        for (int j = 0; j < w; j++) dst[j] = (uint8_t)(v >> (8 * j));
+        return;
+    }
+    unsigned __int128 v = 0;
+    for (int k = 0; k < 8; k++) v |= (unsigned __int128)q[k] << (k * w);
+    for (int j = 0; j < w; j++) dst[j] = (uint8_t)(v >> (8 * j));
+}
 
 /* Encode: per group g of kind width[g] (0 constant, 1..16 coded, 255 raw) with lo/step from
  * the plan, the codes round((x - lo) / |step|) (half to even; +1 in zero-kept groups, 0 at
@@ -344,8 +358,6 @@ void acgc_bounded_pack(const float *x, int64_t n, int64_t gs, const uint8_t *wid
         float div = s > 0.0f ? s : 1.0f; /* coded groups (width 0 too): |step| */
         float zf = (float)zk;
         uint8_t *out = codes + off[g];
-        uint64_t acc = 0;
-        int nacc = 0;
         float q[CHUNK], xv[CHUNK];
         for (int64_t c0 = 0; c0 < gs; c0 += CHUNK) {
             int64_t m = gs - c0 < CHUNK ? gs - c0 : CHUNK;
@@ -354,24 +366,35 @@ void acgc_bounded_pack(const float *x, int64_t n, int64_t gs, const uint8_t *wid
             for (int64_t j = 0; j < m; j++) {
                 float v = xv[j];
                 float r = rintf((v - l) / div) + zf;
-                q[j] = (zk && v == 0.0f) ? 0.0f : r;
+                q[j] = (zk & (v == 0.0f)) ? 0.0f : r;
             }
-            if (w > 0) {
-                for (int64_t j = 0; j < m; j++) {
-                    acc |= (uint64_t)(uint32_t)q[j] << nacc;
-                    nacc += w;
-                    while (nacc >= 8) {
-                        *out++ = (uint8_t)acc;
-                        acc >>= 8;
-                        nacc -= 8;
-                    }
+            if (w > 0) { /* m is a multiple of 8: each chunk starts on a byte */
+                uint32_t qi[CHUNK];
+                for (int64_t j = 0; j < m; j++) qi[j] = (uint32_t)q[j];
+                uint8_t *dst = out + c0 / 8 * w;
+                /* one loop per width, so that the shifts are constants */
+#define PACK_W(W)                                                        \
+    case W:                                                              \
+        for (int64_t j = 0; j < m; j += 8) pack8(qi + j, (W), dst + j / 8 * (W)); \
+        break;
+                switch (w) {
+                    PACK_W(1) PACK_W(2) PACK_W(3) PACK_W(4) PACK_W(5) PACK_W(6) PACK_W(7)
+                    PACK_W(8) PACK_W(9) PACK_W(10) PACK_W(11) PACK_W(12) PACK_W(13)
+                    PACK_W(14) PACK_W(15) PACK_W(16)
+                    default: break;
                 }
+#undef PACK_W
             }
             if (check) {
                 int32_t cnt = 0;
-                for (int64_t j = 0; j < valid; j++) {
-                    float d = round_kind(bounded_value(q[j], l, s, zk, top), kind);
-                    cnt += !(fabsf(d - xv[j]) < eb32);
+                if (kind == 0) { /* float32 output: no rounding to a 16-bit kind */
+                    for (int64_t j = 0; j < valid; j++)
+                        cnt += !(fabsf(bounded_value(q[j], l, s, zk, top) - xv[j]) < eb32);
+                } else {
+                    for (int64_t j = 0; j < valid; j++) {
+                        float d = round_kind(bounded_value(q[j], l, s, zk, top), kind);
+                        cnt += !(fabsf(d - xv[j]) < eb32);
+                    }
                 }
                 bad += cnt;
                 if (cnt && flags) {

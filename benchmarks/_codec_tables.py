@@ -1,0 +1,55 @@
+"""README's codec speed table and the codec bar (``benchmarks/codecs.py``'s line)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["CLONE_BAR", "codec_bars", "codecs_table"]
+
+CLONE_BAR = 4.0  # encode and decode each at most this multiple of x.clone() (issue 14)
+
+
+def codecs_table(codecs: dict[str, Any] | None) -> list[str]:
+    """One row per codec setting and tensor size: ratio, encode and decode as multiples
+    of ``x.clone()`` (median, and min in brackets) and their GB/s beside the clone's."""
+    if codecs is None:
+        return ["(codecs: not run)"]
+    out = [
+        f"{codecs['tensor']}, {codecs['threads']} thread(s), {codecs['rounds']} interleaved "
+        "rounds; GB/s counts bytes read plus written.",
+        "",
+        "| size | codec | ratio | encode × clone | decode × clone | encode GB/s | "
+        "decode GB/s | clone GB/s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for size, settings in codecs["sizes"].items():
+        for name, r in settings.items():
+            out.append(
+                f"| {size} | {name} | {r['ratio']:.2f}x | {r['encode_x_clone']:.2f} "
+                f"({r['encode_x_clone_min']:.2f}) | {r['decode_x_clone']:.2f} "
+                f"({r['decode_x_clone_min']:.2f}) | {r['encode_gbps']:.2f} | "
+                f"{r['decode_gbps']:.2f} | {r['clone_gbps']:.2f} |"
+            )
+    return out
+
+
+def codec_bars(codecs: dict[str, Any] | None) -> tuple[list[str], list[str]]:
+    """(met, not met): per tensor size, every codec's median encode and decode within
+    ``CLONE_BAR`` times the clone of the same tensor."""
+    met: list[str] = []
+    short: list[str] = []
+    for size, settings in (codecs or {}).get("sizes", {}).items():
+        slow = {
+            f"{name} {k}": r[f"{k}_x_clone"]
+            for name, r in settings.items()
+            for k in ("encode", "decode")
+            if r[f"{k}_x_clone"] > CLONE_BAR
+        }
+        text = f"codec speed at {size} ({codecs['threads']} thread(s)): "
+        if slow:
+            worst = sorted(slow.items(), key=lambda kv: -kv[1])
+            listed = ", ".join(f"{k} {v:.1f}x" for k, v in worst)
+            short.append(text + f"{listed} clone (bar ≤ {CLONE_BAR:g}x each)")
+        else:
+            met.append(text + f"every encode and decode ≤ {CLONE_BAR:g}x clone")
+    return met, short
