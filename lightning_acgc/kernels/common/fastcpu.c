@@ -46,7 +46,8 @@ int acgc_group_stats(const float *x, int64_t n, int64_t gs, float *lo, float *hi
                 nf[k] |= !(fabsf(v) <= 3.4028234663852886e38f); /* NaN or inf */
                 mn[k] = v < mn[k] ? v : mn[k];
                 mx[k] = v > mx[k] ? v : mx[k];
-                mp[k] = (v > 0.0f && v < mp[k]) ? v : mp[k];
+                float c = v > 0.0f ? v : INFINITY; /* a masked min: no branch */
+                mp[k] = c < mp[k] ? c : mp[k];
             }
         }
         for (int64_t i = full; i < len; i++) {
@@ -54,7 +55,8 @@ int acgc_group_stats(const float *x, int64_t n, int64_t gs, float *lo, float *hi
             nf[0] |= !(fabsf(v) <= 3.4028234663852886e38f);
             mn[0] = v < mn[0] ? v : mn[0];
             mx[0] = v > mx[0] ? v : mx[0];
-            mp[0] = (v > 0.0f && v < mp[0]) ? v : mp[0];
+            float c = v > 0.0f ? v : INFINITY;
+            mp[0] = c < mp[0] ? c : mp[0];
         }
         int nonfinite = 0;
         for (int k = 1; k < 16; k++) {
@@ -488,21 +490,41 @@ void acgc_pool_last(const float *x, int64_t rows, int64_t w, int64_t blk, float 
  * the smallest positive value (inf if none). Parallel over blocks of 8 values. */
 void acgc_zero_pattern(const float *x, int64_t n, uint8_t *packed, float *min_pos,
                        int nthreads) {
-    int64_t nbytes = (n + 7) / 8;
+    int64_t chunks = (n + CHUNK - 1) / CHUNK; /* CHUNK is a multiple of 8: chunks own whole bytes */
     float best = INFINITY;
 #pragma omp parallel num_threads(THREADS(n))
     {
         float mp = INFINITY;
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < nbytes; b++) {
-            int64_t i0 = 8 * b, cnt = n - i0 < 8 ? n - i0 : 8;
-            uint8_t byte = 0;
-            for (int64_t k = 0; k < cnt; k++) {
-                float v = x[i0 + k];
-                byte |= (uint8_t)((v == 0.0f) << k);
-                mp = (v > 0.0f && v < mp) ? v : mp;
+        for (int64_t c = 0; c < chunks; c++) {
+            const float *p = x + c * CHUNK;
+            int64_t len = n - c * CHUNK < CHUNK ? n - c * CHUNK : CHUNK;
+            /* smallest positive value: 16 independent lanes (a loop the compiler vectorizes) */
+            float lane[16];
+            for (int k = 0; k < 16; k++) lane[k] = INFINITY;
+            int64_t full = len / 16 * 16;
+            for (int64_t i = 0; i < full; i += 16)
+                for (int k = 0; k < 16; k++) {
+                    float v = p[i + k];
+                    float c = v > 0.0f ? v : INFINITY; /* this form, not (v > 0 && v < m): */
+                    lane[k] = c < lane[k] ? c : lane[k]; /* a masked min, no branch */
+                }
+            for (int64_t i = full; i < len; i++) {
+                float v = p[i];
+                float c = v > 0.0f ? v : INFINITY;
+                lane[0] = c < lane[0] ? c : lane[0];
             }
-            packed[b] = byte;
+            for (int k = 0; k < 16; k++) mp = lane[k] < mp ? lane[k] : mp;
+            /* the zero bits: bit k of byte b is element 8 * b + k; 8 flag bytes (0/1) become
+             * one byte by a multiply that gathers bit 8k into bit 56 + k */
+            uint8_t z[CHUNK + 8] = {0};
+            for (int64_t i = 0; i < len; i++) z[i] = p[i] == 0.0f;
+            uint8_t *out = packed + c * (CHUNK / 8);
+            for (int64_t b = 0; b < (len + 7) / 8; b++) {
+                uint64_t w;
+                memcpy(&w, z + 8 * b, 8); /* little-endian hosts (x86-64, aarch64) */
+                out[b] = (uint8_t)((w * 0x0102040810204080ULL) >> 56);
+            }
         }
 #pragma omp critical
         best = mp < best ? mp : best;
@@ -514,15 +536,35 @@ void acgc_zero_pattern(const float *x, int64_t n, uint8_t *packed, float *min_po
  * the mask's bit is set. */
 void acgc_division_finish(float *out, int64_t n, float fmax, const uint8_t *zmask,
                           float min_pos, int nthreads) {
+    if (!zmask) {
 #pragma omp parallel for schedule(static) num_threads(THREADS(n))
-    for (int64_t i = 0; i < n; i++) {
-        float v = out[i];
-        v = v < -fmax ? -fmax : v;
-        v = v > fmax ? fmax : v;
-        if (zmask) {
-            v = v > min_pos ? v : min_pos;
-            v = (zmask[i >> 3] >> (i & 7)) & 1 ? 0.0f : v;
+        for (int64_t i = 0; i < n; i++) {
+            float v = out[i];
+            v = v < -fmax ? -fmax : v;
+            out[i] = v > fmax ? fmax : v;
         }
-        out[i] = v;
+        return;
+    }
+    int64_t chunks = (n + CHUNK - 1) / CHUNK; /* CHUNK is a multiple of 8 */
+#pragma omp parallel for schedule(static) num_threads(THREADS(n))
+    for (int64_t c = 0; c < chunks; c++) {
+        float *o = out + c * CHUNK;
+        const uint8_t *zm = zmask + c * (CHUNK / 8);
+        int64_t len = n - c * CHUNK < CHUNK ? n - c * CHUNK : CHUNK;
+        /* the mask's bits as all-ones (keep) or all-zeros (+0.0) words: plain loops that
+         * vectorize, where a bit test per element stays scalar */
+        uint32_t keep[CHUNK];
+        for (int64_t b = 0; b < (len + 7) / 8; b++)
+            for (int k = 0; k < 8; k++) keep[8 * b + k] = ((uint32_t)(zm[b] >> k) & 1u) - 1u;
+        for (int64_t i = 0; i < len; i++) {
+            float v = o[i];
+            v = v < -fmax ? -fmax : v;
+            v = v > fmax ? fmax : v;
+            v = v > min_pos ? v : min_pos;
+            uint32_t u;
+            memcpy(&u, &v, 4);
+            u &= keep[i];
+            memcpy(&o[i], &u, 4);
+        }
     }
 }
