@@ -3,9 +3,10 @@
 For each codec setting and tensor size (fp32, post-ReLU: about half zeros), times
 ``codec.encode(x)``, ``codec.decode(packed)`` and ``x.clone()`` interleaved round by round,
 so that drift and other load affect all three alike. Prints one JSON line: per setting and
-size the median (and min) of encode and decode as a multiple of the clone's median (min),
-and GB/s counting bytes read plus written. Full mode (the default): 4 MB and 64 MB, 9
-rounds; ``--quick``: 4 MB, 5 rounds. ``run_all`` stores the line in
+size the median (and min) of encode and decode as a multiple of the clone's median (min;
+the clone times of every setting with the same input pooled), and GB/s counting bytes
+read plus written. Full mode (the default): 4 MB and 64 MB, 9 rounds; ``--quick``: 4 MB,
+5 rounds. ``run_all`` stores the line in
 ``benchmarks/results/codecs.jsonl`` and ``report`` makes README's codec table from it.
 
     python -m benchmarks.codecs [--quick] [--sizes-mb 4 64] [--rounds 9] [--threads 2]
@@ -55,6 +56,7 @@ def _time(fn: Callable[[], Any], device: torch.device) -> float:
 
 
 def _measure(name: str, x: torch.Tensor, rounds: int) -> dict[str, Any]:
+    """Times of ``x.clone()``, encode and decode of setting ``name``, interleaved by round."""
     codec_name, options = SETTINGS[name]
     codec = build_codec(codec_name, options)
     if codec_name == "mask":
@@ -68,16 +70,35 @@ def _measure(name: str, x: torch.Tensor, rounds: int) -> dict[str, Any]:
         times["encode"].append(_time(lambda r=r: codec.encode(x, seed=r), x.device))
         times["decode"].append(_time(lambda: codec.decode(packed), x.device))
     raw = x.numel() * x.element_size()
-    moved = {"clone": 2 * raw, "encode": raw + packed.nbytes, "decode": raw + packed.nbytes}
-    med = {k: statistics.median(v) for k, v in times.items()}
-    low = {k: min(v) for k, v in times.items()}
-    out: dict[str, Any] = {"ratio": round(raw / packed.nbytes, 2)}
+    return {"times": times, "raw": raw, "packed": packed.nbytes, "input": str(x.dtype)}
+
+
+def _summary(run: dict[str, Any], clones: list[float]) -> dict[str, Any]:
+    """Ratios to the clone times ``clones`` of the same input (every setting's, pooled: a
+    codec that frees large buffers leaves the allocator to fault in the next clone's pages,
+    which made one setting's own clone 10x slower than the others'), and GB/s."""
+    times, raw, packed = run["times"], run["raw"], run["packed"]
+    moved = {"encode": raw + packed, "decode": raw + packed}
+    med = {k: statistics.median(times[k]) for k in moved}
+    low = {k: min(times[k]) for k in moved}
+    clone_med, clone_low = statistics.median(clones), min(clones)
+    out: dict[str, Any] = {"ratio": round(raw / packed, 2)}
     for k in ("encode", "decode"):
-        out[f"{k}_x_clone"] = round(med[k] / med["clone"], 2)
-        out[f"{k}_x_clone_min"] = round(low[k] / low["clone"], 2)
+        out[f"{k}_x_clone"] = round(med[k] / clone_med, 2)
+        out[f"{k}_x_clone_min"] = round(low[k] / clone_low, 2)
         out[f"{k}_gbps"] = round(moved[k] / med[k] / 1e9, 2)
-    out["clone_gbps"] = round(moved["clone"] / med["clone"] / 1e9, 2)
+    out["clone_gbps"] = round(2 * raw / clone_med / 1e9, 2)
+    out["own_clone_gbps"] = round(2 * raw / statistics.median(times["clone"]) / 1e9, 2)
     return out
+
+
+def measure_size(x: torch.Tensor, names: list[str], rounds: int) -> dict[str, Any]:
+    """Every setting on ``x``, each against the pooled clone times of its input dtype."""
+    runs = {name: _measure(name, x, rounds) for name in names}
+    pooled: dict[str, list[float]] = {}
+    for run in runs.values():
+        pooled.setdefault(run["input"], []).extend(run["times"]["clone"])
+    return {name: _summary(run, pooled[run["input"]]) for name, run in runs.items()}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -106,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     for mb in sizes:
         x = torch.randn(mb * 2**20 // 4, generator=gen).relu_().to(device)
-        result["sizes"][f"{mb}MB"] = {name: _measure(name, x, rounds) for name in args.only}
+        result["sizes"][f"{mb}MB"] = measure_size(x, args.only, rounds)
     emit(result)
     return result
 
