@@ -197,12 +197,19 @@ def peak_notes(memory: dict[str, Any] | None) -> list[str]:
         }
         if off:
             worst = max(off, key=lambda c: abs(off[c] - 1))
+            plain_peak = info["configs"].get("plain", {}).get("step_peak_mb")
+            grads = (
+                f" Here the parameter gradients alone take {info['grad_mb']:.0f} MB of "
+                f"plain's {plain_peak:.0f} MB peak, a floor no activation codec lowers."
+                if info.get("grad_mb") and plain_peak
+                else ""
+            )
             out.append(
                 f"{info['description']}: the step peak of {', '.join(off)} is more than "
                 f"{100 * PEAK_GAP:.0f}% off what the activation ratio predicts (worst: "
                 f"{LABELS.get(worst, worst)}, {off[worst]:.2f}x the prediction). The step peak "
                 "also holds the gradients, the codecs' transient buffers during encode and "
-                "decode, and what the allocator keeps; a small plain peak magnifies them."
+                "decode, and what the allocator keeps; a small plain peak magnifies them." + grads
             )
     return out
 

@@ -254,9 +254,13 @@ def measure_model(args: argparse.Namespace, name: str, tmp: Path) -> dict[str, A
             row.update(run_child(args, name, config, state))
         configs[config] = row
     _predict_peaks(configs, device)
+    grad_bytes = sum(
+        p.numel() * p.element_size() for p in recipe.module.parameters() if p.requires_grad
+    )
     return {
         "family": recipe.name,
         "description": recipe.description,
+        "grad_mb": round(grad_bytes / MB, 1),  # a floor of every configuration's step peak
         "configs": configs,
         "sites": sites,
     }

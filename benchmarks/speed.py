@@ -114,13 +114,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         choices=CONFIGS,
         help="plain is always included",
     )
-    parser.add_argument("--rounds", type=int, default=None, help="default: 7 quick, 3 full")
+    parser.add_argument("--rounds", type=int, default=None, help="default: 7 quick, 5 full")
     parser.add_argument("--batch-size", type=int, default=None, help="default: the case's")
     args = parser.parse_args(argv)
     setup_threads(args)
     mode = "quick" if args.quick else "full"
     if args.rounds is None:
-        args.rounds = 7 if args.quick else 3
+        args.rounds = 7 if args.quick else 5
     if "plain" not in args.configs:
         args.configs = ["plain", *args.configs]
     args.models = args.models or list(DEFAULT_CASES[mode])

@@ -95,3 +95,18 @@ def test_the_sweep_table_is_made_from_its_run_lines(tmp_path: Path) -> None:
     assert render(results) != render(RESULTS)
     sweep.unlink()
     assert "Paired-seed accuracy sweep" not in render(results)
+
+
+def test_peak_note_names_the_gradients_floor() -> None:
+    from benchmarks._tables import peak_notes
+
+    configs = {
+        "plain": {"step_peak_mb": 477.0, "peak_vs_predicted": 1.0},
+        "checkpoint": {"step_peak_mb": 448.0, "peak_vs_predicted": 7.07},
+    }
+    memory = {"models": {"bert": {"description": "BERT", "configs": configs}}}
+    (note,) = peak_notes(memory)
+    assert "checkpoint" in note and "gradients alone" not in note
+    memory["models"]["bert"]["grad_mb"] = 417.6
+    (note,) = peak_notes(memory)
+    assert "the parameter gradients alone take 418 MB of plain's 477 MB peak" in note
