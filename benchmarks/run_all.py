@@ -11,8 +11,8 @@ fills the table in README.md.
     python -m benchmarks.run_all --full       # the size presets (the default); CUDA when available
     python -m benchmarks.run_all --full --only memory speed --device cuda --batch-size 64
 
-Full mode on 2 CPU cores: memory and speed (5 interleaved rounds) take about 35 minutes with each case's
-default batch (see ``benchmarks/_cases.py``).
+Full mode on 2 CPU cores: memory and speed (5 interleaved rounds) take about 35 minutes
+with each case's default batch (see ``benchmarks/_cases.py``).
 """
 
 from __future__ import annotations
