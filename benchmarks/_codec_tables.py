@@ -16,7 +16,10 @@ def codecs_table(codecs: dict[str, Any] | None) -> list[str]:
         return ["(codecs: not run)"]
     out = [
         f"{codecs['tensor']}, {codecs['threads']} thread(s), {codecs['rounds']} interleaved "
-        "rounds; GB/s counts bytes read plus written.",
+        "rounds; GB/s counts bytes read plus written; × clone against the clone times of "
+        "every setting on the same input, pooled. Where the clone runs at a few GB/s the "
+        "fresh pages of its output are faulted in (large allocations on CPU), a cost every "
+        "decode pays too: there the ratios flatter the codecs, compare the GB/s.",
         "",
         "| size | codec | ratio | encode × clone | decode × clone | encode GB/s | "
         "decode GB/s | clone GB/s |",

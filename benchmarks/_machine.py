@@ -102,15 +102,23 @@ def setup_threads(args: argparse.Namespace) -> None:
 
 
 def commit() -> str:
-    """The repository's commit (``+dirty`` with uncommitted changes; ``unknown`` outside
-    a git checkout)."""
+    """The repository's commit (``+dirty`` with uncommitted changes outside
+    ``benchmarks/results/``; ``unknown`` outside a git checkout)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True
         )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(  # the results files run_all writes between benchmarks do not count
+            [
+                "git",
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                ".",
+                ":!benchmarks/results",
+            ],
             cwd=root,
             capture_output=True,
             text=True,

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_acgc.engine import ActivationCompressor, EngineSettings, compressed_step
 from lightning_acgc.policies import build_policy
+from tests._halves_runs import run_with_halves
 
 
 class TwoBranches(nn.Module):
@@ -38,27 +38,19 @@ def _fit(
         model.a.weight.copy_(wa)
         model.b.weight.copy_(wb + 3 * torch.randn(d))
     policy = build_policy("acgc", calibrate_every=1, warmup_steps=1, **options)
-    engine = ActivationCompressor(policy, model=model, settings=EngineSettings(min_numel=0))
-    engine.install()
-    policy.setup(model)
-    history = []
-    try:
-        for step in range(steps):
-            g = torch.Generator().manual_seed(step)
-            xa, xb = torch.randn(batch, d, generator=g), torch.randn(batch, d, generator=g)
-            y = xa @ wa + xb @ wb + torch.randn(batch, generator=g)
 
-            def loss(lo: int = 0, hi: int = batch, xa=xa, xb=xb, y=y) -> torch.Tensor:
-                return (model(xa[lo:hi], xb[lo:hi]) - y[lo:hi]).square().mean()
+    def losses(step: int):
+        g = torch.Generator().manual_seed(step)
+        xa, xb = torch.randn(batch, d, generator=g), torch.randn(batch, d, generator=g)
+        y = xa @ wa + xb @ wb + torch.randn(batch, generator=g)
 
-            model.zero_grad()
-            h = batch // 2
-            pair = (lambda h=h: loss(0, h), lambda h=h: loss(h, batch)) if halves else None
-            compressed_step(engine, model, loss, step, loss_halves=pair)
-            history.append(policy.metrics())
-    finally:
-        engine.remove()
-    return model, policy, history
+        def loss(lo: int = 0, hi: int = batch) -> torch.Tensor:
+            return (model(xa[lo:hi], xb[lo:hi]) - y[lo:hi]).square().mean()
+
+        h = batch // 2
+        return loss, ((lambda: loss(0, h)), (lambda: loss(h, batch))) if halves else None
+
+    return model, policy, run_with_halves(model, policy, steps, losses)
 
 
 def test_noisy_layer_gets_the_looser_bound_and_fewer_bits() -> None:

@@ -14,6 +14,7 @@ from lightning_acgc.engine import ActivationCompressor, EngineSettings, compress
 from lightning_acgc.policies import ACGCPolicy, build_policy
 from lightning_acgc.policies.bit_allocation import KEEP, LADDER, allocate_to_error
 from lightning_acgc.policies.quant_error import sr_variance
+from tests._halves_runs import run_with_halves
 from tests.test_policies import _train
 
 
@@ -180,26 +181,19 @@ def _regression(batch: int, d: int = 64, rho: float = 0.5, steps: int = 6) -> tu
     with torch.no_grad():
         model.weight.copy_(w_star + u)
     policy = build_policy("acgc", noise_ratio=rho, calibrate_every=1, warmup_steps=1)
-    engine = ActivationCompressor(policy, model=model, settings=EngineSettings(min_numel=0))
-    engine.install()
-    policy.setup(model)
-    history = []
-    try:
-        for step in range(steps):
-            g = torch.Generator().manual_seed(step)
-            x = torch.randn(batch, d, generator=g)
-            y = x @ w_star + sigma * torch.randn(batch, generator=g)
-            h = batch // 2
 
-            def loss(a: int = 0, b: int = batch, x=x, y=y) -> torch.Tensor:
-                return (model(x[a:b]).squeeze(1) - y[a:b]).square().mean()
+    def losses(step: int):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(batch, d, generator=g)
+        y = x @ w_star + sigma * torch.randn(batch, generator=g)
 
-            model.zero_grad()
-            halves = (lambda h=h: loss(0, h), lambda h=h: loss(h, batch))
-            compressed_step(engine, model, loss, step, loss_halves=halves)
-            history.append(policy.metrics())
-    finally:
-        engine.remove()
+        def loss(a: int = 0, b: int = batch) -> torch.Tensor:
+            return (model(x[a:b]).squeeze(1) - y[a:b]).square().mean()
+
+        h = batch // 2
+        return loss, ((lambda: loss(0, h)), (lambda: loss(h, batch)))
+
+    history = run_with_halves(model, policy, steps, losses)
     trace = 4 * ((1 + sigma**2) * d + 1) / batch
     expected = rho * math.sqrt(trace / (4 + trace))  # ρ·sqrt(tr Var g)/sqrt(E‖g‖²)
     return expected, history
