@@ -89,6 +89,78 @@ static inline uint8_t code_of(float v, uint32_t il, uint32_t kh, float l, float 
 
 #define CHUNK 4096
 
+static inline float f32_of(uint32_t b) {
+    float r;
+    memcpy(&r, &b, 4);
+    return r;
+}
+
+static inline uint32_t bits_of(float v) {
+    uint32_t b;
+    memcpy(&b, &v, 4);
+    return b;
+}
+
+/* The largest bfloat16 <= v, as float32 (quant/reference.py's _bf16_down). */
+static inline float bf16_down(float v) {
+    uint32_t b = bits_of(v), t = b & 0xFFFF0000u;
+    return f32_of(((int32_t)b < 0 && (b & 0xFFFFu)) ? t + 65536u : t);
+}
+
+/* The smallest bfloat16 >= v for v >= 0, as float32 (quant/reference.py's _bf16_up). */
+static inline float bf16_up(float v) {
+    uint32_t b = bits_of(v), t = b & 0xFFFF0000u;
+    return f32_of((b & 0xFFFFu) ? t + 65536u : t);
+}
+
+/* Per-group parameters from finite min lo, max hi and smallest positive value mp, as
+ * quant/reference.py's group_meta computes them (the same float32 operations in the same
+ * order): with bf16 set, the bfloat16 metadata if every group can hold it (returns 0),
+ * else float32 metadata (returns 1), or 2 where float32 cannot hold a range or an inverse
+ * (the reference's float64 path). Outputs: the stored lo (+0.0 for zeros) and signed scale
+ * (-step in zero-kept groups), and for the pack lo, inv, top and zero-kept. */
+int acgc_quant_meta(const float *lo, const float *hi, const float *mp, int64_t groups, int bits,
+                    int bf16, float *out_lo, float *out_scale, float *out_inv, float *out_top,
+                    uint8_t *out_zk) {
+    float levels = (float)((1 << bits) - 1);
+    if (bf16) {
+        int ok = 1;
+        for (int64_t g = 0; g < groups; g++) {
+            int zk = bits > 1 && lo[g] == 0.0f && hi[g] > 0.0f;
+            float l = zk ? mp[g] : lo[g];
+            float top = zk ? levels - 1.0f : levels;
+            float lb = bf16_down(l) + 0.0f;
+            float d = (hi[g] - lb) / top;
+            float sb = bf16_up(d < 0.0f ? 0.0f : d);
+            float reach = top * sb;
+            if (lb + reach < hi[g]) sb = bf16_up(nextafterf(sb, 1e38f));
+            float ib = sb > 0.0f ? 1.0f / sb : 0.0f;
+            ok &= isfinite(lb) && isfinite(sb) && isfinite(ib) && !(zk && lb <= 0.0f);
+            out_lo[g] = lb + 0.0f;
+            out_scale[g] = zk ? -sb : sb;
+            out_inv[g] = ib;
+            out_top[g] = top;
+            out_zk[g] = (uint8_t)zk;
+        }
+        if (ok) return 0;
+    }
+    int wide = 0;
+    for (int64_t g = 0; g < groups; g++) {
+        int zk = bits > 1 && lo[g] == 0.0f && hi[g] > 0.0f;
+        float l = zk ? mp[g] : lo[g];
+        float top = zk ? levels - 1.0f : levels;
+        float step = (hi[g] - l) / top;
+        float inv = step > 0.0f ? 1.0f / step : 0.0f;
+        wide |= !isfinite(step) || !isfinite(inv);
+        out_lo[g] = l + 0.0f;
+        out_scale[g] = zk ? -step : step;
+        out_inv[g] = inv;
+        out_top[g] = top;
+        out_zk[g] = (uint8_t)zk;
+    }
+    return wide ? 2 : 1;
+}
+
 /* Stochastic rounding and packing of the padded G * gs array (element i >= n has value
  * x[n-1]) with the per-group lo, inv (1 / step, 0 for a zero step), top and zk (zero-kept);
  * see code_of. A little-endian bit stream of bits-bit codes (1..8 bits): 8 codes fill

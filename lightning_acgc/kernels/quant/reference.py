@@ -150,8 +150,9 @@ def group_meta(
     lo: torch.Tensor, hi: torch.Tensor, min_pos: torch.Tensor, bits: int, meta: str = "fp32"
 ) -> GroupMeta:
     """Per-group parameters from the groups' min, max and smallest positive value (finite
-    float32). Shared by the reference and the compiled CPU path, so metadata formats live
-    only here.
+    float32). The specification of the metadata formats: the compiled CPU path repeats
+    this arithmetic in C (``acgc_quant_meta`` in ``common/fastcpu.c``), held bit-identical
+    to it by ``tests/test_kernels_cpu.py``.
 
     Example:
         >>> m = group_meta(torch.tensor([0.0]), torch.tensor([3.0]), torch.tensor([1.0]), 2)
