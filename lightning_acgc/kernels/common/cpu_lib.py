@@ -42,8 +42,8 @@ _I64, _I32, _U32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_uint32, ctypes.c_v
 _F32 = ctypes.c_float
 _SIGNATURES = {
     "acgc_group_stats": (_I32, [_P, _I64, _I64, _P, _P, _P, _I32]),
-    "acgc_quant_meta": (_I32, [_P, _P, _P, _I64, _I32, _I32, _P, _P, _P, _P, _P]),
     "acgc_quant_pack": (None, [_P, _I64, _I64, _I32, _P, _P, _P, _P, _U32, _P, _I32]),
+    "acgc_quant_encode": (_I32, [_P, _I64, _I64, _I32, _I32, _U32, _P, _P, _P, _I32]),
     "acgc_quant_unpack": (None, [_P, _I64, _I64, _I32, _P, _P, _P, _P, _I32]),
     "acgc_mask_pack": (None, [_P, _I64, _P, _I32]),
     "acgc_mask_unpack": (None, [_P, _I64, _P, _I32]),

@@ -26,49 +26,57 @@ static inline uint32_t lowbias32(uint32_t x) {
 /* Per-group min, max and smallest positive value of a float32 array of n values viewed as
  * groups of gs (the tail group padded with x[n-1], which changes none of the three).
  * Returns 1 if some value is NaN or +-inf (outputs then meaningless), else 0. */
+/* Min, max and smallest positive value of p[0..len); returns 1 if some value is NaN or
+ * +-inf (outputs then meaningless), else 0. */
+static inline int stats_of(const float *p, int64_t len, float *lo, float *hi, float *min_pos) {
+    /* 16 independent lanes (elementwise selects, which the compiler vectorizes; a float
+     * min/max reduction it would not, without -ffast-math). */
+    float mn[16], mx[16], mp[16];
+    int nf[16];
+    for (int k = 0; k < 16; k++) mn[k] = INFINITY, mx[k] = -INFINITY, mp[k] = INFINITY, nf[k] = 0;
+    int64_t full = len / 16 * 16;
+    for (int64_t i = 0; i < full; i += 16) {
+        for (int k = 0; k < 16; k++) {
+            float v = p[i + k];
+            nf[k] |= !(fabsf(v) <= 3.4028234663852886e38f); /* NaN or inf */
+            mn[k] = v < mn[k] ? v : mn[k];
+            mx[k] = v > mx[k] ? v : mx[k];
+            float c = v > 0.0f ? v : INFINITY; /* a masked min: no branch */
+            mp[k] = c < mp[k] ? c : mp[k];
+        }
+    }
+    for (int64_t i = full; i < len; i++) {
+        float v = p[i];
+        nf[0] |= !(fabsf(v) <= 3.4028234663852886e38f);
+        mn[0] = v < mn[0] ? v : mn[0];
+        mx[0] = v > mx[0] ? v : mx[0];
+        float c = v > 0.0f ? v : INFINITY;
+        mp[0] = c < mp[0] ? c : mp[0];
+    }
+    int nonfinite = 0;
+    for (int k = 1; k < 16; k++) {
+        mn[0] = mn[k] < mn[0] ? mn[k] : mn[0];
+        mx[0] = mx[k] > mx[0] ? mx[k] : mx[0];
+        mp[0] = mp[k] < mp[0] ? mp[k] : mp[0];
+    }
+    for (int k = 0; k < 16; k++) nonfinite |= nf[k];
+    *lo = mn[0];
+    *hi = mx[0];
+    *min_pos = mp[0];
+    return nonfinite;
+}
+
+/* Per-group min, max and smallest positive value of a float32 array of n values viewed as
+ * groups of gs (the tail group padded with x[n-1], which changes none of the three).
+ * Returns 1 if some value is NaN or +-inf (outputs then meaningless), else 0. */
 int acgc_group_stats(const float *x, int64_t n, int64_t gs, float *lo, float *hi,
                      float *min_pos, int nthreads) {
     int64_t groups = (n + gs - 1) / gs;
     int bad = 0;
 #pragma omp parallel for schedule(static) num_threads(THREADS(n)) reduction(| : bad)
     for (int64_t g = 0; g < groups; g++) {
-        const float *p = x + g * gs;
         int64_t len = (g + 1) * gs <= n ? gs : n - g * gs;
-        /* 16 independent lanes (elementwise selects, which the compiler vectorizes; a
-         * float min/max reduction it would not, without -ffast-math). */
-        float mn[16], mx[16], mp[16];
-        int nf[16];
-        for (int k = 0; k < 16; k++) mn[k] = INFINITY, mx[k] = -INFINITY, mp[k] = INFINITY, nf[k] = 0;
-        int64_t full = len / 16 * 16;
-        for (int64_t i = 0; i < full; i += 16) {
-            for (int k = 0; k < 16; k++) {
-                float v = p[i + k];
-                nf[k] |= !(fabsf(v) <= 3.4028234663852886e38f); /* NaN or inf */
-                mn[k] = v < mn[k] ? v : mn[k];
-                mx[k] = v > mx[k] ? v : mx[k];
-                float c = v > 0.0f ? v : INFINITY; /* a masked min: no branch */
-                mp[k] = c < mp[k] ? c : mp[k];
-            }
-        }
-        for (int64_t i = full; i < len; i++) {
-            float v = p[i];
-            nf[0] |= !(fabsf(v) <= 3.4028234663852886e38f);
-            mn[0] = v < mn[0] ? v : mn[0];
-            mx[0] = v > mx[0] ? v : mx[0];
-            float c = v > 0.0f ? v : INFINITY;
-            mp[0] = c < mp[0] ? c : mp[0];
-        }
-        int nonfinite = 0;
-        for (int k = 1; k < 16; k++) {
-            mn[0] = mn[k] < mn[0] ? mn[k] : mn[0];
-            mx[0] = mx[k] > mx[0] ? mx[k] : mx[0];
-            mp[0] = mp[k] < mp[0] ? mp[k] : mp[0];
-        }
-        for (int k = 0; k < 16; k++) nonfinite |= nf[k];
-        lo[g] = mn[0];
-        hi[g] = mx[0];
-        min_pos[g] = mp[0];
-        bad |= nonfinite;
+        bad |= stats_of(x + g * gs, len, lo + g, hi + g, min_pos + g);
     }
     return bad;
 }
@@ -113,111 +121,130 @@ static inline float bf16_up(float v) {
     return f32_of((b & 0xFFFFu) ? t + 65536u : t);
 }
 
-/* Per-group parameters from finite min lo, max hi and smallest positive value mp, as
- * quant/reference.py's group_meta computes them (the same float32 operations in the same
- * order): with bf16 set, the bfloat16 metadata if every group can hold it (returns 0),
- * else float32 metadata (returns 1), or 2 where float32 cannot hold a range or an inverse
- * (the reference's float64 path). Outputs: the stored lo (+0.0 for zeros) and signed scale
- * (-step in zero-kept groups), and for the pack lo, inv, top and zero-kept. */
-int acgc_quant_meta(const float *lo, const float *hi, const float *mp, int64_t groups, int bits,
-                    int bf16, float *out_lo, float *out_scale, float *out_inv, float *out_top,
-                    uint8_t *out_zk) {
+/* One group's parameters from its finite min lo, max hi and smallest positive value mp,
+ * as quant/reference.py's group_meta computes them (the same float32 operations in the
+ * same order), in bfloat16 metadata (bf16 set) or float32: the stored lo (+0.0 for zeros)
+ * and signed scale (-step in zero-kept groups), and for the pack lo, inv, top and
+ * zero-kept. Returns 0 if the format cannot hold the group (bf16: a value out of range or
+ * a zero-kept lo that rounds to 0; fp32: a range or inverse beyond float32), else 1. */
+static inline int group_param(float lo, float hi, float mp, int bits, int bf16, float *out_lo,
+                              float *out_scale, float *out_inv, float *out_top, uint8_t *out_zk) {
     float levels = (float)((1 << bits) - 1);
+    int zk = bits > 1 && lo == 0.0f && hi > 0.0f;
+    float l = zk ? mp : lo;
+    float top = zk ? levels - 1.0f : levels;
+    float step, inv;
+    int ok;
     if (bf16) {
-        int ok = 1;
-        for (int64_t g = 0; g < groups; g++) {
-            int zk = bits > 1 && lo[g] == 0.0f && hi[g] > 0.0f;
-            float l = zk ? mp[g] : lo[g];
-            float top = zk ? levels - 1.0f : levels;
-            float lb = bf16_down(l) + 0.0f;
-            float d = (hi[g] - lb) / top;
-            float sb = bf16_up(d < 0.0f ? 0.0f : d);
-            float reach = top * sb;
-            if (lb + reach < hi[g]) sb = bf16_up(nextafterf(sb, 1e38f));
-            float ib = sb > 0.0f ? 1.0f / sb : 0.0f;
-            ok &= isfinite(lb) && isfinite(sb) && isfinite(ib) && !(zk && lb <= 0.0f);
-            out_lo[g] = lb + 0.0f;
-            out_scale[g] = zk ? -sb : sb;
-            out_inv[g] = ib;
-            out_top[g] = top;
-            out_zk[g] = (uint8_t)zk;
-        }
-        if (ok) return 0;
+        l = bf16_down(l) + 0.0f;
+        float d = (hi - l) / top;
+        step = bf16_up(d < 0.0f ? 0.0f : d);
+        float reach = top * step;
+        if (l + reach < hi) step = bf16_up(nextafterf(step, 1e38f));
+        inv = step > 0.0f ? 1.0f / step : 0.0f;
+        ok = isfinite(l) && isfinite(step) && isfinite(inv) && !(zk && l <= 0.0f);
+    } else {
+        step = (hi - l) / top;
+        inv = step > 0.0f ? 1.0f / step : 0.0f;
+        ok = isfinite(step) && isfinite(inv);
     }
-    int wide = 0;
-    for (int64_t g = 0; g < groups; g++) {
-        int zk = bits > 1 && lo[g] == 0.0f && hi[g] > 0.0f;
-        float l = zk ? mp[g] : lo[g];
-        float top = zk ? levels - 1.0f : levels;
-        float step = (hi[g] - l) / top;
-        float inv = step > 0.0f ? 1.0f / step : 0.0f;
-        wide |= !isfinite(step) || !isfinite(inv);
-        out_lo[g] = l + 0.0f;
-        out_scale[g] = zk ? -step : step;
-        out_inv[g] = inv;
-        out_top[g] = top;
-        out_zk[g] = (uint8_t)zk;
-    }
-    return wide ? 2 : 1;
+    *out_lo = l + 0.0f;
+    *out_scale = zk ? -step : step;
+    *out_inv = inv;
+    *out_top = top;
+    *out_zk = (uint8_t)zk;
+    return ok;
 }
 
-/* Stochastic rounding and packing of the padded G * gs array (element i >= n has value
- * x[n-1]) with the per-group lo, inv (1 / step, 0 for a zero step), top and zk (zero-kept);
- * see code_of. A little-endian bit stream of bits-bit codes (1..8 bits): 8 codes fill
- * bits bytes, code k at bit bits * k. */
+/* Stochastic rounding and packing of group g of the padded G * gs array (element i >= n
+ * has value x[n-1]) with its lo, inv (1 / step, 0 for a zero step), top and zk
+ * (zero-kept); see code_of. A little-endian bit stream of bits-bit codes (1..8 bits): 8
+ * codes fill bits bytes, code k at bit bits * k. */
+static inline void pack_group(const float *x, int64_t n, int64_t gs, int bits, int64_t g,
+                              float l, float iv, float tp, uint8_t z, uint32_t key,
+                              uint8_t *codes) {
+    int64_t gbytes = gs * bits / 8;
+    uint8_t q[CHUNK];
+    for (int64_t c0 = 0; c0 < gs; c0 += CHUNK) {
+        int64_t i0 = g * gs + c0;
+        int64_t len = gs - c0 < CHUNK ? gs - c0 : CHUNK;
+        int64_t valid = n - i0 < len ? (n - i0 > 0 ? n - i0 : 0) : len;
+        const float *p = x + i0;
+        if ((uint64_t)i0 >> 32 == (uint64_t)(i0 + len - 1) >> 32) {
+            uint32_t kh = lowbias32((uint32_t)((uint64_t)i0 >> 32) ^ key);
+            uint32_t il0 = (uint32_t)i0;
+            for (int64_t j = 0; j < valid; j++)
+                q[j] = code_of(p[j], il0 + (uint32_t)j, kh, l, iv, tp, z);
+            for (int64_t j = valid; j < len; j++)
+                q[j] = code_of(x[n - 1], il0 + (uint32_t)j, kh, l, iv, tp, z);
+        } else {
+            for (int64_t j = 0; j < len; j++) {
+                uint64_t i = (uint64_t)(i0 + j);
+                uint32_t kh = lowbias32((uint32_t)(i >> 32) ^ key);
+                q[j] = code_of(j < valid ? p[j] : x[n - 1], (uint32_t)i, kh, l, iv, tp, z);
+            }
+        }
+        uint8_t *out = codes + g * gbytes + c0 * bits / 8;
+        if (bits == 8) {
+            memcpy(out, q, len);
+        } else if (bits == 4) {
+            for (int64_t b = 0; b < len / 2; b++) out[b] = q[2 * b] | (q[2 * b + 1] << 4);
+        } else if (bits == 2) {
+            for (int64_t b = 0; b < len / 4; b++)
+                out[b] = q[4 * b] | (q[4 * b + 1] << 2) | (q[4 * b + 2] << 4) |
+                         (q[4 * b + 3] << 6);
+        } else if (bits == 1) {
+            for (int64_t b = 0; b < len / 8; b++) {
+                uint8_t byte = 0;
+                for (int k = 0; k < 8; k++) byte |= (uint8_t)(q[8 * b + k] << k);
+                out[b] = byte;
+            }
+        } else { /* 3, 5, 6, 7 bits: 8 codes -> one word -> its bits low bytes */
+            for (int64_t b = 0; b < len / 8; b++) {
+                uint64_t word = 0;
+                for (int k = 0; k < 8; k++) word |= (uint64_t)q[8 * b + k] << (k * bits);
+                for (int j = 0; j < bits; j++) out[b * bits + j] = (uint8_t)(word >> (8 * j));
+            }
+        }
+    }
+}
+
+/* pack_group over every group, with per-group parameters from the caller. */
 void acgc_quant_pack(const float *x, int64_t n, int64_t gs, int bits, const float *lo,
                      const float *inv, const float *top, const uint8_t *zk, uint32_t key,
                      uint8_t *codes, int nthreads) {
     int64_t groups = (n + gs - 1) / gs;
-    int64_t gbytes = gs * bits / 8;
 #pragma omp parallel for schedule(static) num_threads(THREADS(n))
+    for (int64_t g = 0; g < groups; g++)
+        pack_group(x, n, gs, bits, g, lo[g], inv[g], top[g], zk[g], key, codes);
+}
+
+/* The whole encode in one pass over each group (its values read once from memory, then
+ * from cache): stats_of, group_param (bf16 or float32 metadata), pack_group. Returns 0
+ * when every group is encoded; 1 when bf16 was asked and some group cannot hold it (the
+ * caller encodes again with float32 metadata, for every group, as group_meta does); 2 on
+ * NaN/inf or a range or inverse beyond float32 (the reference's paths). */
+int acgc_quant_encode(const float *x, int64_t n, int64_t gs, int bits, int bf16, uint32_t key,
+                      float *out_lo, float *out_scale, uint8_t *codes, int nthreads) {
+    int64_t groups = (n + gs - 1) / gs;
+    int status = 0;
+#pragma omp parallel for schedule(static) num_threads(THREADS(n)) reduction(| : status)
     for (int64_t g = 0; g < groups; g++) {
-        float l = lo[g], iv = inv[g], tp = top[g];
-        uint8_t z = zk[g];
-        uint8_t q[CHUNK];
-        for (int64_t c0 = 0; c0 < gs; c0 += CHUNK) {
-            int64_t i0 = g * gs + c0;
-            int64_t len = gs - c0 < CHUNK ? gs - c0 : CHUNK;
-            int64_t valid = n - i0 < len ? (n - i0 > 0 ? n - i0 : 0) : len;
-            const float *p = x + i0;
-            if ((uint64_t)i0 >> 32 == (uint64_t)(i0 + len - 1) >> 32) {
-                uint32_t kh = lowbias32((uint32_t)((uint64_t)i0 >> 32) ^ key);
-                uint32_t il0 = (uint32_t)i0;
-                for (int64_t j = 0; j < valid; j++)
-                    q[j] = code_of(p[j], il0 + (uint32_t)j, kh, l, iv, tp, z);
-                for (int64_t j = valid; j < len; j++)
-                    q[j] = code_of(x[n - 1], il0 + (uint32_t)j, kh, l, iv, tp, z);
-            } else {
-                for (int64_t j = 0; j < len; j++) {
-                    uint64_t i = (uint64_t)(i0 + j);
-                    uint32_t kh = lowbias32((uint32_t)(i >> 32) ^ key);
-                    q[j] = code_of(j < valid ? p[j] : x[n - 1], (uint32_t)i, kh, l, iv, tp, z);
-                }
-            }
-            uint8_t *out = codes + g * gbytes + c0 * bits / 8;
-            if (bits == 8) {
-                memcpy(out, q, len);
-            } else if (bits == 4) {
-                for (int64_t b = 0; b < len / 2; b++) out[b] = q[2 * b] | (q[2 * b + 1] << 4);
-            } else if (bits == 2) {
-                for (int64_t b = 0; b < len / 4; b++)
-                    out[b] = q[4 * b] | (q[4 * b + 1] << 2) | (q[4 * b + 2] << 4) |
-                             (q[4 * b + 3] << 6);
-            } else if (bits == 1) {
-                for (int64_t b = 0; b < len / 8; b++) {
-                    uint8_t byte = 0;
-                    for (int k = 0; k < 8; k++) byte |= (uint8_t)(q[8 * b + k] << k);
-                    out[b] = byte;
-                }
-            } else { /* 3, 5, 6, 7 bits: 8 codes -> one word -> its bits low bytes */
-                for (int64_t b = 0; b < len / 8; b++) {
-                    uint64_t word = 0;
-                    for (int k = 0; k < 8; k++) word |= (uint64_t)q[8 * b + k] << (k * bits);
-                    for (int j = 0; j < bits; j++) out[b * bits + j] = (uint8_t)(word >> (8 * j));
-                }
-            }
+        int64_t len = (g + 1) * gs <= n ? gs : n - g * gs;
+        float lo, hi, mp, iv, tp;
+        uint8_t z;
+        if (stats_of(x + g * gs, len, &lo, &hi, &mp)) {
+            status |= 2;
+            continue;
         }
+        if (!group_param(lo, hi, mp, bits, bf16, out_lo + g, out_scale + g, &iv, &tp, &z)) {
+            status |= bf16 ? 1 : 2;
+            continue;
+        }
+        float l = out_lo[g];
+        pack_group(x, n, gs, bits, g, l, iv, tp, z, key, codes);
     }
+    return status & 2 ? 2 : status;
 }
 
 /* The 8 codes of width w (1..16) held by the w bytes at src, as float32 into q[0..7]; with

@@ -1,11 +1,12 @@
 """Compiled CPU path of the ``quant`` codec (``common/fastcpu.c``), bit-identical to
 :mod:`lightning_acgc.kernels.quant.reference` for the same seed.
 
-Three stages: C reduces each group's min, max and smallest positive value (one pass);
-``acgc_quant_meta`` turns them into the per-group parameters with the float32 operations
-of :func:`~lightning_acgc.kernels.quant.reference.group_meta` (the specification of the
-metadata formats, fp32 and bf16); C quantizes with the hashed noise and packs (one pass).
-Tensors holding NaN/inf, or needing float64 arithmetic, go to the reference.
+One pass over each group (``acgc_quant_encode``: its values read once from memory, then
+from cache): its min, max and smallest positive value; its parameters with the float32
+operations of :func:`~lightning_acgc.kernels.quant.reference.group_meta` (the
+specification of the metadata formats, fp32 and bf16); stochastic rounding with the
+hashed noise and packing. Tensors holding NaN/inf, or needing float64 arithmetic, go to
+the reference.
 """
 
 from __future__ import annotations
@@ -32,32 +33,22 @@ def quant_encode_cpu(
     xf = x.reshape(-1).to(torch.float32).contiguous()
     n = xf.numel()
     groups = -(-n // group_size)
-    lo, hi, min_pos = (torch.empty(groups) for _ in range(3))
-    threads = cpu_threads()
-    bad = lib.acgc_group_stats(
-        xf.data_ptr(), n, group_size, lo.data_ptr(), hi.data_ptr(), min_pos.data_ptr(), threads
-    )
-    if bad:  # NaN/inf: the reference sets them aside
-        return quant_encode_ref(x, bits, group_size, seed, meta=meta)
-    # group_meta's arithmetic in C (four small torch tensors out, not ~20 torch ops on G
-    # values: at 4 MB those ops took 40% of the encode)
-    mlo, scale, inv, top = (torch.empty(groups) for _ in range(4))
-    zk = torch.empty(groups, dtype=torch.uint8)
-    kind = lib.acgc_quant_meta(
-        lo.data_ptr(), hi.data_ptr(), min_pos.data_ptr(), groups, bits, int(meta == "bf16"),
-        mlo.data_ptr(), scale.data_ptr(), inv.data_ptr(), top.data_ptr(), zk.data_ptr(),
-    )  # fmt: skip
-    if kind == 2:  # a range or inverse beyond float32: the reference's float64 path
-        return quant_encode_ref(x, bits, group_size, seed, meta=meta)
-    stored = torch.bfloat16 if kind == 0 else torch.float32
     codes = torch.empty(groups * group_size * bits // 8, dtype=torch.uint8)
-    lib.acgc_quant_pack(
-        xf.data_ptr(), n, group_size, bits, mlo.data_ptr(), inv.data_ptr(), top.data_ptr(),
-        zk.data_ptr(), hash_key(seed), codes.data_ptr(), threads,
-    )  # fmt: skip
+    lo, scale = torch.empty(groups), torch.empty(groups)
+    status = 1
+    for bf16 in (True, False) if meta == "bf16" else (False,):
+        status = lib.acgc_quant_encode(
+            xf.data_ptr(), n, group_size, bits, int(bf16), hash_key(seed), lo.data_ptr(),
+            scale.data_ptr(), codes.data_ptr(), cpu_threads(),
+        )  # fmt: skip
+        if status != 1:  # 1: some group cannot hold bf16 metadata; all groups go to fp32
+            break
+    if status == 2:  # NaN/inf, or a range or inverse beyond float32: the reference
+        return quant_encode_ref(x, bits, group_size, seed, meta=meta)
+    stored = torch.bfloat16 if meta == "bf16" and bf16 else torch.float32
     return {
         "codes": codes,
-        "lo": mlo.to(stored),
+        "lo": lo.to(stored),
         "scale": scale.to(stored),
         "exc_idx": torch.empty(0, dtype=torch.int64),
         "exc_val": torch.empty(0, dtype=x.dtype),
