@@ -140,3 +140,61 @@ def test_division_cpu_fused_steps_bit_identical(name: str, dtype: torch.dtype, b
         a = division_decode_cpu(ref, t.shape, dtype, block, 2, 64)
         b = division_decode_ref(ref, t.shape, dtype, block, 2, 64)
         assert torch.equal(_bits(a), _bits(b))
+
+
+def _division_shapes() -> dict[str, torch.Tensor]:
+    """Inputs the fused division kernels take: 1-D to 4-D, partial tiles, a transposed
+    and a channels_last view, signed and post-ReLU values."""
+    g = torch.Generator().manual_seed(5)
+    nchw = torch.randn(3, 5, 13, 22, generator=g)
+    return {
+        "1d": torch.randn(5003, generator=g).relu(),
+        "2d_transposed": torch.randn(61, 37, generator=g).t(),
+        "3d": torch.randn(4, 29, 33, generator=g),
+        "4d_relu": nchw.relu(),
+        "4d_channels_last": nchw.to(memory_format=torch.channels_last),
+        "4d_one_plane": torch.randn(1, 1, 7, 9, generator=g).relu() + 1.0,  # no zeros
+    }
+
+
+@pytest.mark.parametrize("low_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("name", sorted(_division_shapes()))
+@pytest.mark.parametrize(("block", "bits", "group_size"), [(8, 2, 256), (3, 1, 8), (4, 5, 4096)])
+def test_division_fused_kernels_bit_identical(
+    name: str, low_dtype: torch.dtype, block: int, bits: int, group_size: int
+) -> None:
+    """The fused encoder and decoder run (do not decline) on ordinary tensors and give the
+    reference's payload and decode, bit for bit, for every output dtype."""
+    from lightning_acgc.kernels.division.cpu import _decode_fused, _encode_fused
+
+    x = _division_shapes()[name]
+    ref = division_encode_ref(x, block, bits, group_size, low_dtype, 7)
+    got = _encode_fused(x, block, bits, group_size, low_dtype, 7)
+    assert got is not None
+    _same(got, ref)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        a = _decode_fused(ref, x.shape, dtype, block, bits, group_size)
+        assert a is not None
+        b = division_decode_ref(ref, x.shape, dtype, block, bits, group_size)
+        assert torch.equal(_bits(a), _bits(b)), dtype
+
+
+def test_division_fused_kernels_decline_what_the_reference_handles() -> None:
+    """NaN/inf, subnormal averages, float16 averages, groups over 4096 and 5-D tensors go to
+    the unfused path, which still gives the reference's bits."""
+    from lightning_acgc.kernels.division.cpu import _encode_fused
+
+    cases = [
+        (torch.tensor([1.0, float("nan"), 2.0, 0.0] * 8), torch.bfloat16, 64),
+        (torch.tensor([1e-40, 0.0, 3e-39, 1e-41] * 8), torch.float32, 64),
+        (torch.randn(64), torch.float16, 64),
+        (torch.randn(10000), torch.bfloat16, 8192),
+        (torch.randn(2, 2, 4, 4, 4), torch.bfloat16, 64),
+    ]
+    for x, low_dtype, group_size in cases:
+        assert _encode_fused(x, 4, 2, group_size, low_dtype, 1) is None
+        ref = division_encode_ref(x, 4, 2, group_size, low_dtype, 1)
+        _same(division_encode_cpu(x, 4, 2, group_size, low_dtype, 1), ref)
+        a = division_decode_cpu(ref, x.shape, x.dtype, 4, 2, group_size)
+        b = division_decode_ref(ref, x.shape, x.dtype, 4, 2, group_size)
+        assert torch.equal(_bits(a), _bits(b))

@@ -40,6 +40,7 @@ _FLAGS = [
 
 _I64, _I32, _U32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p
 _F32 = ctypes.c_float
+_VIEW = [_I64, _I64, _I64, _I64, _I32, _I32]  # division's (planes, h, w, block, pool h, pool w)
 _SIGNATURES = {
     "acgc_group_stats": (_I32, [_P, _I64, _I64, _P, _P, _P, _I32]),
     "acgc_quant_pack": (None, [_P, _I64, _I64, _I32, _P, _P, _P, _P, _U32, _P, _I32]),
@@ -56,6 +57,15 @@ _SIGNATURES = {
     "acgc_pool_last": (None, [_P, _I64, _I64, _I64, _P, _I32]),
     "acgc_zero_pattern": (None, [_P, _I64, _P, _P, _I32]),
     "acgc_division_finish": (None, [_P, _I64, _F32, _P, _F32, _I32]),
+    "acgc_division_low": (_I32, [_P, *_VIEW, _I32, _P, _I32]),
+    "acgc_division_residual": (
+        _I32,
+        [_P, *_VIEW, _P, _I32, _I64, _U32, _P, _P, _P, _P, _P, _I32],
+    ),
+    "acgc_division_decode": (
+        None,
+        [_P, *_VIEW, _P, _I32, _I64, _P, _P, _P, _F32, _P, _F32, _P, _I32],
+    ),
     "acgc_bounded_unpack": (None, [_P, _I64, _I64, _P, _P, _P, _P, _F32, _I32, _P, _I32]),
 }
 

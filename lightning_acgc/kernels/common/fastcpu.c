@@ -156,35 +156,36 @@ static inline int group_param(float lo, float hi, float mp, int bits, int bf16, 
     return ok;
 }
 
-/* Stochastic rounding and packing of group g of the padded G * gs array (element i >= n
- * has value x[n-1]) with its lo, inv (1 / step, 0 for a zero step), top and zk
+/* Stochastic rounding and packing of one group of gs values, the group at element index
+ * base: p[0..valid) its values, pad the value of the elements past them (the tail group of
+ * the padded array) with its lo, inv (1 / step, 0 for a zero step), top and zk
  * (zero-kept); see code_of. A little-endian bit stream of bits-bit codes (1..8 bits): 8
- * codes fill bits bytes, code k at bit bits * k. */
-static inline void pack_group(const float *x, int64_t n, int64_t gs, int bits, int64_t g,
-                              float l, float iv, float tp, uint8_t z, uint32_t key,
-                              uint8_t *codes) {
-    int64_t gbytes = gs * bits / 8;
+ * codes fill bits bytes, code k at bit bits * k, written to out (the group's gs * bits / 8
+ * bytes). */
+static inline void pack_span(const float *p, int64_t valid, float pad, int64_t base, int64_t gs,
+                             int bits, float l, float iv, float tp, uint8_t z, uint32_t key,
+                             uint8_t *gout) {
     uint8_t q[CHUNK];
     for (int64_t c0 = 0; c0 < gs; c0 += CHUNK) {
-        int64_t i0 = g * gs + c0;
+        int64_t i0 = base + c0;
         int64_t len = gs - c0 < CHUNK ? gs - c0 : CHUNK;
-        int64_t valid = n - i0 < len ? (n - i0 > 0 ? n - i0 : 0) : len;
-        const float *p = x + i0;
+        int64_t real = valid - c0 < len ? (valid - c0 > 0 ? valid - c0 : 0) : len;
+        const float *pc = p + c0;
         if ((uint64_t)i0 >> 32 == (uint64_t)(i0 + len - 1) >> 32) {
             uint32_t kh = lowbias32((uint32_t)((uint64_t)i0 >> 32) ^ key);
             uint32_t il0 = (uint32_t)i0;
-            for (int64_t j = 0; j < valid; j++)
-                q[j] = code_of(p[j], il0 + (uint32_t)j, kh, l, iv, tp, z);
-            for (int64_t j = valid; j < len; j++)
-                q[j] = code_of(x[n - 1], il0 + (uint32_t)j, kh, l, iv, tp, z);
+            for (int64_t j = 0; j < real; j++)
+                q[j] = code_of(pc[j], il0 + (uint32_t)j, kh, l, iv, tp, z);
+            for (int64_t j = real; j < len; j++)
+                q[j] = code_of(pad, il0 + (uint32_t)j, kh, l, iv, tp, z);
         } else {
             for (int64_t j = 0; j < len; j++) {
                 uint64_t i = (uint64_t)(i0 + j);
                 uint32_t kh = lowbias32((uint32_t)(i >> 32) ^ key);
-                q[j] = code_of(j < valid ? p[j] : x[n - 1], (uint32_t)i, kh, l, iv, tp, z);
+                q[j] = code_of(j < real ? pc[j] : pad, (uint32_t)i, kh, l, iv, tp, z);
             }
         }
-        uint8_t *out = codes + g * gbytes + c0 * bits / 8;
+        uint8_t *out = gout + c0 * bits / 8;
         if (bits == 8) {
             memcpy(out, q, len);
         } else if (bits == 4) {
@@ -207,6 +208,15 @@ static inline void pack_group(const float *x, int64_t n, int64_t gs, int bits, i
             }
         }
     }
+}
+
+/* pack_span of group g of the padded G * gs array (element i >= n has value x[n-1]). */
+static inline void pack_group(const float *x, int64_t n, int64_t gs, int bits, int64_t g,
+                              float l, float iv, float tp, uint8_t z, uint32_t key,
+                              uint8_t *codes) {
+    int64_t i0 = g * gs, valid = n - i0 < gs ? n - i0 : gs;
+    pack_span(x + i0, valid, x[n - 1], i0, gs, bits, l, iv, tp, z, key,
+              codes + g * (gs * bits / 8));
 }
 
 /* pack_group over every group, with per-group parameters from the caller. */
@@ -273,60 +283,64 @@ static inline void codes8(const uint8_t *src, int w, int room, float *q) {
     for (int k = 0; k < 8; k++) q[k] = (float)((uint32_t)(v >> (k * w)) & mask);
 }
 
-/* Decode n values: code c of group g is fmaf(c, step, lo) (zero-kept groups: code 0 is
- * +0.0, code c >= 1 is fmaf(c - 1, step, lo)), as the reference's addcmul. */
+/* Decode one group: its len values (len <= gs) from the group's codes at src into dst;
+ * code c is fmaf(c, step, lo) (zero-kept: code 0 is +0.0, code c >= 1 is
+ * fmaf(c - 1, step, lo)), as the reference's addcmul. */
+static inline void unpack_group(const uint8_t *src, int64_t len, int64_t gs, int bits, float l,
+                                float st, int z, float *dst) {
+    int per = 8 % bits ? 0 : 8 / bits; /* codes per byte; 0: a width that spans bytes */
+    int mask = (1 << bits) - 1;
+    float zf = (float)z;
+    float c[CHUNK];
+    for (int64_t c0 = 0; c0 < len; c0 += CHUNK) {
+        int64_t m = len - c0 < CHUNK ? len - c0 : CHUNK;
+        const uint8_t *s = src + c0 * bits / 8;
+        if (bits == 8) { /* constant widths: loops the compiler vectorizes */
+            for (int64_t j = 0; j < m; j++) c[j] = (float)s[j];
+        } else if (bits == 4) {
+            for (int64_t b = 0; b < (m + 1) / 2; b++) {
+                uint32_t v = s[b];
+                c[2 * b] = (float)(v & 15u);
+                c[2 * b + 1] = (float)(v >> 4);
+            }
+        } else if (bits == 2) {
+            for (int64_t b = 0; b < (m + 3) / 4; b++) {
+                uint32_t v = s[b];
+                c[4 * b] = (float)(v & 3u);
+                c[4 * b + 1] = (float)((v >> 2) & 3u);
+                c[4 * b + 2] = (float)((v >> 4) & 3u);
+                c[4 * b + 3] = (float)(v >> 6);
+            }
+        } else if (per) {
+            int64_t mb = (m + per - 1) / per;
+            for (int64_t b = 0; b < mb; b++)
+                for (int k = 0; k < per; k++)
+                    c[b * per + k] = (float)((s[b] >> (bits * k)) & mask);
+        } else { /* whole 8-code words of bits bytes (groups are multiples of 8) */
+            int64_t end = gs * bits / 8 - c0 * bits / 8; /* the group's bytes from s */
+            for (int64_t b = 0; b < (m + 7) / 8; b++)
+                codes8(s + b * bits, bits, b * bits + 16 <= end, c + 8 * b);
+        }
+        if (z) { /* as the reference: v * min(c, 1) + 0, branch-free (vectorized) */
+            for (int64_t j = 0; j < m; j++) {
+                float keep = c[j] < 1.0f ? c[j] : 1.0f;
+                dst[c0 + j] = fmaf(c[j] - zf, st, l) * keep + 0.0f;
+            }
+        } else {
+            for (int64_t j = 0; j < m; j++) dst[c0 + j] = fmaf(c[j], st, l);
+        }
+    }
+}
+
+/* Decode n values (unpack_group of every group). */
 void acgc_quant_unpack(const uint8_t *codes, int64_t n, int64_t gs, int bits, const float *lo,
                        const float *step, const uint8_t *zk, float *out, int nthreads) {
     int64_t groups = (n + gs - 1) / gs;
-    int per = 8 % bits ? 0 : 8 / bits; /* codes per byte; 0: a width that spans bytes */
-    int mask = (1 << bits) - 1;
 #pragma omp parallel for schedule(static) num_threads(THREADS(n))
     for (int64_t g = 0; g < groups; g++) {
-        float l = lo[g], st = step[g];
-        int z = zk[g];
-        float zf = (float)z;
         int64_t len = (g + 1) * gs <= n ? gs : n - g * gs;
-        const uint8_t *src = codes + g * (gs * bits / 8);
-        float *dst = out + g * gs;
-        float c[CHUNK];
-        for (int64_t c0 = 0; c0 < len; c0 += CHUNK) {
-            int64_t m = len - c0 < CHUNK ? len - c0 : CHUNK;
-            const uint8_t *s = src + c0 * bits / 8;
-            if (bits == 8) { /* constant widths: loops the compiler vectorizes */
-                for (int64_t j = 0; j < m; j++) c[j] = (float)s[j];
-            } else if (bits == 4) {
-                for (int64_t b = 0; b < (m + 1) / 2; b++) {
-                    uint32_t v = s[b];
-                    c[2 * b] = (float)(v & 15u);
-                    c[2 * b + 1] = (float)(v >> 4);
-                }
-            } else if (bits == 2) {
-                for (int64_t b = 0; b < (m + 3) / 4; b++) {
-                    uint32_t v = s[b];
-                    c[4 * b] = (float)(v & 3u);
-                    c[4 * b + 1] = (float)((v >> 2) & 3u);
-                    c[4 * b + 2] = (float)((v >> 4) & 3u);
-                    c[4 * b + 3] = (float)(v >> 6);
-                }
-            } else if (per) {
-                int64_t mb = (m + per - 1) / per;
-                for (int64_t b = 0; b < mb; b++)
-                    for (int k = 0; k < per; k++)
-                        c[b * per + k] = (float)((s[b] >> (bits * k)) & mask);
-            } else { /* whole 8-code words of bits bytes (groups are multiples of 8) */
-                int64_t end = gs * bits / 8 - c0 * bits / 8; /* the group's bytes from s */
-                for (int64_t b = 0; b < (m + 7) / 8; b++)
-                    codes8(s + b * bits, bits, b * bits + 16 <= end, c + 8 * b);
-            }
-            if (z) { /* as the reference: v * min(c, 1) + 0, branch-free (vectorized) */
-                for (int64_t j = 0; j < m; j++) {
-                    float keep = c[j] < 1.0f ? c[j] : 1.0f;
-                    dst[c0 + j] = fmaf(c[j] - zf, st, l) * keep + 0.0f;
-                }
-            } else {
-                for (int64_t j = 0; j < m; j++) dst[c0 + j] = fmaf(c[j], st, l);
-            }
-        }
+        unpack_group(codes + g * (gs * bits / 8), len, gs, bits, lo[g], step[g], zk[g],
+                     out + g * gs);
     }
 }
 
@@ -631,39 +645,213 @@ void acgc_zero_pattern(const float *x, int64_t n, uint8_t *packed, float *min_po
     *min_pos = best;
 }
 
+/* In place over o[0..len) (len <= CHUNK): clamp to [-fmax, fmax]; with a zero mask zm (its
+ * bit k of byte b for o[8b + k]), max(o, min_pos) and +0.0 where the bit is set. */
+static inline void finish_chunk(float *o, int64_t len, float fmax, const uint8_t *zm,
+                                float min_pos) {
+    if (!zm) {
+        for (int64_t i = 0; i < len; i++) {
+            float v = o[i];
+            v = v < -fmax ? -fmax : v;
+            o[i] = v > fmax ? fmax : v;
+        }
+        return;
+    }
+    /* the mask's bits as all-ones (keep) or all-zeros (+0.0) words: plain loops that
+     * vectorize, where a bit test per element stays scalar */
+    uint32_t keep[CHUNK];
+    for (int64_t b = 0; b < (len + 7) / 8; b++)
+        for (int k = 0; k < 8; k++) keep[8 * b + k] = ((uint32_t)(zm[b] >> k) & 1u) - 1u;
+    for (int64_t i = 0; i < len; i++) {
+        float v = o[i];
+        v = v < -fmax ? -fmax : v;
+        v = v > fmax ? fmax : v;
+        v = v > min_pos ? v : min_pos;
+        uint32_t u;
+        memcpy(&u, &v, 4);
+        u &= keep[i];
+        memcpy(&o[i], &u, 4);
+    }
+}
+
 /* In place: out = clamp(out, -fmax, fmax); with a zero mask, max(out, min_pos) and +0.0 where
  * the mask's bit is set. */
 void acgc_division_finish(float *out, int64_t n, float fmax, const uint8_t *zmask,
                           float min_pos, int nthreads) {
-    if (!zmask) {
-#pragma omp parallel for schedule(static) num_threads(THREADS(n))
-        for (int64_t i = 0; i < n; i++) {
-            float v = out[i];
-            v = v < -fmax ? -fmax : v;
-            out[i] = v > fmax ? fmax : v;
-        }
-        return;
-    }
     int64_t chunks = (n + CHUNK - 1) / CHUNK; /* CHUNK is a multiple of 8 */
 #pragma omp parallel for schedule(static) num_threads(THREADS(n))
     for (int64_t c = 0; c < chunks; c++) {
-        float *o = out + c * CHUNK;
-        const uint8_t *zm = zmask + c * (CHUNK / 8);
         int64_t len = n - c * CHUNK < CHUNK ? n - c * CHUNK : CHUNK;
-        /* the mask's bits as all-ones (keep) or all-zeros (+0.0) words: plain loops that
-         * vectorize, where a bit test per element stays scalar */
-        uint32_t keep[CHUNK];
-        for (int64_t b = 0; b < (len + 7) / 8; b++)
-            for (int k = 0; k < 8; k++) keep[8 * b + k] = ((uint32_t)(zm[b] >> k) & 1u) - 1u;
-        for (int64_t i = 0; i < len; i++) {
-            float v = o[i];
-            v = v < -fmax ? -fmax : v;
-            v = v > fmax ? fmax : v;
-            v = v > min_pos ? v : min_pos;
-            uint32_t u;
-            memcpy(&u, &v, 4);
-            u &= keep[i];
-            memcpy(&o[i], &u, 4);
+        finish_chunk(out + c * CHUNK, len, fmax, zmask ? zmask + c * (CHUNK / 8) : 0, min_pos);
+    }
+}
+
+/* ---- division, fused: a float32 tensor viewed as (planes, h, w), pooled over h (ph set)
+ * and/or w (pw set); 4-D NCHW is (N * C, H, W) with both, 3-D (N, L, D) pools L only,
+ * 2-D and 1-D the last axis only. Two passes instead of the reference's steps: the block
+ * averages; then per quant group the residual in a buffer, quantized and packed, with
+ * the group's zero bits and statistics of x. The same bits as the reference. ---- */
+
+#define LOW_TILES 256 /* output columns per work item of acgc_division_low */
+
+/* torch's float32 -> bfloat16 conversion (round to nearest even) of a finite value, back
+ * as float32. */
+static inline float bf16_round(float v) {
+    uint32_t b = bits_of(v);
+    return f32_of((b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u);
+}
+
+/* The block averages into low, (planes, ho, wo) float32 (ho = ceil(h / blk) if ph, else
+ * h; wo likewise), in the reference's order: along w first (each tile summed in order from
+ * 0, divided by its count), then along h over those averages; rounded to bfloat16 values
+ * if bf16. Returns 0, or 1 when some average is not finite (NaN/inf in x, or a float32 sum
+ * that overflowed), or is subnormal or beyond bfloat16's range after rounding: the caller
+ * then takes the reference's path. */
+int acgc_division_low(const float *x, int64_t planes, int64_t h, int64_t w, int64_t blk, int ph,
+                      int pw, int bf16, float *low, int nthreads) {
+    int64_t ho = ph ? (h + blk - 1) / blk : h, wo = pw ? (w + blk - 1) / blk : w;
+    int64_t chunks = (wo + LOW_TILES - 1) / LOW_TILES, items = planes * ho * chunks;
+    int status = 0;
+#pragma omp parallel for schedule(static) num_threads(THREADS(planes * h * w)) reduction(| : status)
+    for (int64_t it = 0; it < items; it++) {
+        int64_t pl = it / (ho * chunks), j = it / chunks % ho, ch = it % chunks;
+        int64_t t0 = ch * LOW_TILES, t1 = t0 + LOW_TILES < wo ? t0 + LOW_TILES : wo;
+        int64_t r0 = ph ? j * blk : j, r1 = ph ? (r0 + blk < h ? r0 + blk : h) : j + 1;
+        float *o = low + (pl * ho + j) * wo;
+        for (int64_t r = r0; r < r1; r++) {
+            const float *p = x + (pl * h + r) * w;
+            for (int64_t t = t0; t < t1; t++) {
+                float v = p[t];
+                if (pw) {
+                    int64_t cnt = (t + 1) * blk <= w ? blk : w - t * blk;
+                    float s = 0.0f;
+                    for (int64_t k = 0; k < cnt; k++) s = s + p[t * blk + k];
+                    v = s / (float)cnt;
+                }
+                if (!ph)
+                    o[t] = v;
+                else
+                    o[t] = (r == r0 ? 0.0f : o[t]) + v;
+            }
         }
+        for (int64_t t = t0; t < t1; t++) {
+            float v = ph ? o[t] / (float)(r1 - r0) : o[t];
+            if (bf16 && fabsf(v) <= 3.4028234663852886e38f) v = bf16_round(v);
+            /* not finite, or subnormal (conversions that flush them would differ) */
+            status |= !(fabsf(v) <= 3.4028234663852886e38f) || (v != 0.0f && fabsf(v) < 1.17549435e-38f);
+            o[t] = v;
+        }
+    }
+    return status;
+}
+
+/* Runs BODY for each flat element i_start + k (k < len) of the (planes, h, w) view, with
+ * lv the value of low over it: row by row, and along a row tile by tile (pw) or element by
+ * element (no division per element or per tile). */
+#define FOR_EACH_WITH_LOW(low, i_start, len, h, w, blk, ph, pw, BODY)                        \
+    do {                                                                                      \
+        int64_t ho_ = ph ? (h + blk - 1) / blk : h, wo_ = pw ? (w + blk - 1) / blk : w;      \
+        int64_t i_ = (i_start), end_ = (i_start) + (len), col_ = i_ % w, rr_ = i_ / w;        \
+        int64_t k0_ = 0;                                                                      \
+        while (i_ < end_) {                                                                   \
+            int64_t seg_ = w - col_ < end_ - i_ ? w - col_ : end_ - i_;                       \
+            int64_t row_ = rr_ % h, pl_ = rr_ / h;                                            \
+            const float *lrow_ = (low) + (pl_ * ho_ + (ph ? row_ / blk : row_)) * wo_;        \
+            if (pw && blk == 8 && col_ % 8 == 0 && seg_ % 8 == 0) { /* the default block */ \
+                const float *ltile_ = lrow_ + col_ / 8;                                       \
+                for (int64_t q_ = 0; q_ < seg_ / 8; q_++) {                                   \
+                    float lv = ltile_[q_];                                                    \
+                    for (int64_t k = k0_ + 8 * q_; k < k0_ + 8 * q_ + 8; k++) {               \
+                        BODY;                                                                 \
+                    }                                                                         \
+                }                                                                             \
+            } else if (pw) {                                                                  \
+                int64_t tile_ = col_ / blk, t_ = 0;                                           \
+                while (t_ < seg_) {                                                           \
+                    int64_t stop_ = (tile_ + 1) * blk - col_;                                 \
+                    stop_ = stop_ < seg_ ? stop_ : seg_;                                      \
+                    float lv = lrow_[tile_++];                                                \
+                    for (int64_t k = k0_ + t_; k < k0_ + stop_; k++) {                        \
+                        BODY;                                                                 \
+                    }                                                                         \
+                    t_ = stop_;                                                               \
+                }                                                                             \
+            } else {                                                                          \
+                const float *lcol_ = lrow_ + col_ - k0_;                                      \
+                for (int64_t k = k0_; k < k0_ + seg_; k++) {                                  \
+                    float lv = lcol_[k];                                                      \
+                    BODY;                                                                     \
+                }                                                                             \
+            }                                                                                 \
+            k0_ += seg_;                                                                      \
+            i_ += seg_;                                                                       \
+            col_ = 0;                                                                         \
+            rr_++;                                                                            \
+        }                                                                                     \
+    } while (0)
+
+/* The residual r = x - upsample(low) of each group of gs <= CHUNK values, quantized and
+ * packed as acgc_quant_encode does with float32 metadata (r's tail group padded with
+ * r[n-1]); zbits gets x == 0 in the mask layout, stats[0..2] x's min, max and smallest
+ * positive value. Returns 0, or 1 when some residual is not finite or a group's range or
+ * inverse is beyond float32 (the caller takes the reference's path). */
+int acgc_division_residual(const float *x, int64_t planes, int64_t h, int64_t w, int64_t blk,
+                           int ph, int pw, const float *low, int bits, int64_t gs, uint32_t key,
+                           float *out_lo, float *out_scale, uint8_t *codes, uint8_t *zbits,
+                           float *stats, int nthreads) {
+    int64_t n = planes * h * w, groups = (n + gs - 1) / gs;
+    float pad = 0.0f;
+    FOR_EACH_WITH_LOW(low, n - 1, 1, h, w, blk, ph, pw, { (void)k; pad = x[n - 1] - lv; });
+    float mn = INFINITY, mx = -INFINITY, mp = INFINITY;
+    int status = 0;
+#pragma omp parallel for schedule(static) num_threads(THREADS(n)) reduction(min : mn, mp) reduction(max : mx) reduction(| : status)
+    for (int64_t g = 0; g < groups; g++) {
+        int64_t i0 = g * gs, len = n - i0 < gs ? n - i0 : gs;
+        const float *p = x + i0;
+        float r[CHUNK];
+        FOR_EACH_WITH_LOW(low, i0, len, h, w, blk, ph, pw, r[k] = p[k] - lv);
+        float lo, hi, pos, iv, tp;
+        uint8_t z;
+        if (stats_of(r, len, &lo, &hi, &pos) ||
+            !group_param(lo, hi, pos, bits, 0, out_lo + g, out_scale + g, &iv, &tp, &z)) {
+            status = 1;
+            continue;
+        }
+        pack_span(r, len, pad, i0, gs, bits, out_lo[g], iv, tp, z, key,
+                  codes + g * (gs * bits / 8));
+        stats_of(p, len, &lo, &hi, &pos);
+        mn = lo < mn ? lo : mn;
+        mx = hi > mx ? hi : mx;
+        mp = pos < mp ? pos : mp;
+        uint8_t zf[CHUNK + 8];
+        for (int64_t j = 0; j < len; j++) zf[j] = p[j] == 0.0f;
+        for (int64_t j = len; j < len + 8; j++) zf[j] = 0;
+        uint8_t *zo = zbits + i0 / 8;
+        for (int64_t b = 0; b < (len + 7) / 8; b++) {
+            uint64_t word;
+            memcpy(&word, zf + 8 * b, 8); /* little-endian hosts (x86-64, aarch64) */
+            zo[b] = (uint8_t)((word * 0x0102040810204080ULL) >> 56);
+        }
+    }
+    stats[0] = mn;
+    stats[1] = mx;
+    stats[2] = mp;
+    return status;
+}
+
+/* The division decode of n values: each group's residual unpacked into out (unpack_group),
+ * upsample(low) added, then clamped to +-fmax with the zero mask applied (finish_chunk). */
+void acgc_division_decode(const uint8_t *codes, int64_t planes, int64_t h, int64_t w,
+                          int64_t blk, int ph, int pw, const float *low, int bits, int64_t gs,
+                          const float *lo, const float *step, const uint8_t *zk, float fmax,
+                          const uint8_t *zmask, float min_pos, float *out, int nthreads) {
+    int64_t n = planes * h * w, groups = (n + gs - 1) / gs;
+#pragma omp parallel for schedule(static) num_threads(THREADS(n))
+    for (int64_t g = 0; g < groups; g++) {
+        int64_t i0 = g * gs, len = n - i0 < gs ? n - i0 : gs;
+        float *o = out + i0;
+        unpack_group(codes + g * (gs * bits / 8), len, gs, bits, lo[g], step[g], zk[g], o);
+        FOR_EACH_WITH_LOW(low, i0, len, h, w, blk, ph, pw, o[k] = o[k] + lv);
+        finish_chunk(o, len, fmax, zmask ? zmask + i0 / 8 : 0, min_pos);
     }
 }

@@ -1,8 +1,14 @@
-"""CPU path of the ``division`` codec: the reference's encoder and decoder with the compiled
-steps of ``common/fastcpu.c`` (the quant and mask kernels of
-:mod:`lightning_acgc.kernels.quant.cpu` and :mod:`lightning_acgc.kernels.mask.cpu`, the
-last-axis pooling, the zero pattern in one pass, and the decode's clamp and zero mask in
-one pass); the same payload and values as the reference."""
+"""CPU path of the ``division`` codec, the same payload and values as the reference.
+
+Tensors of 1 to 4 dimensions (float32 averages, float32 or bfloat16 ``low``, quant groups of
+at most 4096) take the fused kernels of ``common/fastcpu.c``: the encoder in two passes
+(the block averages; then per quant group the residual in a buffer, quantized and packed,
+with the group's zero bits), the decoder in one (per group: unpack, add the averages,
+clamp, zero mask), with no full-size temporary. Other tensors, and the rare ones the fused
+kernels decline (NaN/inf, float32 sums that overflow, averages that are subnormal or
+beyond bfloat16), run the reference's encoder and decoder with the compiled steps (quant
+and mask kernels, last-axis pooling, zero pattern, the decode's clamp and zero mask).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +17,8 @@ from collections.abc import Sequence
 import torch
 
 from lightning_acgc.kernels.common.cpu_lib import cpu_library, cpu_threads
-from lightning_acgc.kernels.division.pooling import pool_axis
+from lightning_acgc.kernels.common.nonfinite import restore_exceptions
+from lightning_acgc.kernels.division.pooling import pool_axes, pool_axis
 from lightning_acgc.kernels.division.reference import (
     Kernels,
     division_decode_with,
@@ -19,6 +26,7 @@ from lightning_acgc.kernels.division.reference import (
 )
 from lightning_acgc.kernels.mask.cpu import mask_pack_cpu, mask_unpack_cpu
 from lightning_acgc.kernels.quant.cpu import quant_decode_cpu, quant_encode_cpu
+from lightning_acgc.kernels.quant.reference import decode_params, hash_key
 
 __all__ = ["CPU_KERNELS", "division_decode_cpu", "division_encode_cpu"]
 
@@ -73,6 +81,116 @@ CPU_KERNELS = Kernels(
 )
 
 
+_FUSED_MAX_GROUP = 4096  # fastcpu.c's CHUNK: a group's residual buffer
+
+
+def _fused_view(shape: Sequence[int]) -> tuple[int, int, int, int, int] | None:
+    """(planes, h, w, pool h, pool w) of the fused kernels' view of ``shape``, as
+    :func:`~lightning_acgc.kernels.division.pooling.pool_axes` pools it; None for 0-d and
+    5-D or wider."""
+    if len(shape) == 4:
+        n, c, h, w = shape
+        return n * c, h, w, 1, 1
+    if len(shape) == 3:
+        return shape[0], shape[1], shape[2], 1, 0
+    if len(shape) == 2:
+        return shape[0], 1, shape[1], 0, 1
+    if len(shape) == 1:
+        return 1, 1, shape[0], 0, 1
+    return None
+
+
+def _pooled(size: int, pooled: int, block: int) -> int:
+    return -(-size // block) if pooled else size
+
+
+def _encode_fused(
+    x: torch.Tensor, block: int, bits: int, group_size: int, low_dtype: torch.dtype, seed: int
+) -> dict[str, torch.Tensor] | None:
+    """The fused encoder's payload, or None where it declines (the caller's path)."""
+    view = _fused_view(x.shape)
+    low_ok = low_dtype in (torch.float32, torch.bfloat16)
+    if view is None or not low_ok or group_size > _FUSED_MAX_GROUP or x.numel() == 0:
+        return None
+    planes, h, w, ph, pw = view
+    xf = x.to(torch.float32).contiguous()  # .to alone keeps a transposed view's strides
+    lib, threads = cpu_library(), cpu_threads()
+    low_shape = [_pooled(s, i in pool_axes(x.ndim), block) for i, s in enumerate(x.shape)]
+    low = torch.empty(low_shape, dtype=torch.float32)
+    bf16 = int(low_dtype == torch.bfloat16)
+    args = (planes, h, w, block, ph, pw)
+    if lib.acgc_division_low(xf.data_ptr(), *args, bf16, low.data_ptr(), threads):
+        return None
+    n = xf.numel()
+    groups = -(-n // group_size)
+    codes = torch.empty(groups * group_size * bits // 8, dtype=torch.uint8)
+    lo, scale = torch.empty(groups), torch.empty(groups)
+    zbits, stats = torch.empty((n + 7) // 8, dtype=torch.uint8), torch.empty(3)
+    if lib.acgc_division_residual(
+        xf.data_ptr(), *args, low.data_ptr(), bits, group_size, hash_key(seed), lo.data_ptr(),
+        scale.data_ptr(), codes.data_ptr(), zbits.data_ptr(), stats.data_ptr(), threads,
+    ):  # fmt: skip
+        return None
+    x_min, x_max, min_pos = stats.tolist()
+    payload = {
+        "low": low.to(low_dtype),
+        "codes": codes,
+        "lo": lo,
+        "scale": scale,
+        "res_exc_idx": torch.empty(0, dtype=torch.int64),
+        "res_exc_val": torch.empty(0, dtype=torch.float32),
+        "exc_idx": torch.empty(0, dtype=torch.int64),
+        "exc_val": torch.empty(0, dtype=x.dtype),
+    }
+    if x_min == 0 and x_max > 0:  # non-negative, with exact zeros: keep the zero pattern
+        payload["zero_mask"] = zbits
+        payload["min_pos"] = torch.tensor([min_pos], dtype=torch.float32)
+    return payload
+
+
+def _decode_fused(
+    payload: dict[str, torch.Tensor],
+    shape: torch.Size,
+    dtype: torch.dtype,
+    block: int,
+    bits: int,
+    group_size: int,
+) -> torch.Tensor | None:
+    """The fused decoder's tensor, or None where it declines (the caller's path)."""
+    view = _fused_view(shape)
+    lo, scale, codes = payload["lo"], payload["scale"], payload["codes"]
+    n = shape.numel()
+    groups = lo.numel()
+    if (
+        view is None
+        or n == 0
+        or group_size > _FUSED_MAX_GROUP
+        or payload["res_exc_idx"].numel()
+        or codes.numel() != groups * group_size * bits // 8
+        or not (groups - 1) * group_size < n <= groups * group_size
+    ):
+        return None
+    planes, h, w, ph, pw = view
+    low = payload["low"].float().contiguous()
+    if low.numel() != planes * _pooled(h, ph, block) * _pooled(w, pw, block):
+        return None
+    lo, step, zero_kept = decode_params(lo, scale, bits)
+    if lo.dtype != torch.float32:  # float64 arithmetic: a range beyond float32
+        return None
+    lo, step, zk = lo.contiguous(), step.contiguous(), zero_kept.to(torch.uint8)
+    zmask = payload.get("zero_mask")
+    zmask = None if zmask is None else zmask.contiguous()
+    min_pos = float(payload["min_pos"]) if zmask is not None else 0.0
+    out = torch.empty(n, dtype=torch.float32)
+    cpu_library().acgc_division_decode(
+        codes.contiguous().data_ptr(), planes, h, w, block, ph, pw, low.data_ptr(), bits,
+        group_size, lo.data_ptr(), step.data_ptr(), zk.data_ptr(), torch.finfo(dtype).max,
+        None if zmask is None else zmask.data_ptr(), min_pos, out.data_ptr(), cpu_threads(),
+    )  # fmt: skip
+    flat = out if dtype == torch.float32 else out.to(dtype)
+    return restore_exceptions(flat, payload["exc_idx"], payload["exc_val"]).view(shape)
+
+
 def division_encode_cpu(
     x: torch.Tensor,
     block: int,
@@ -82,6 +200,9 @@ def division_encode_cpu(
     seed: int,
 ) -> dict[str, torch.Tensor]:
     """Encode a non-empty CPU floating tensor (payload of ``division_encode_ref``)."""
+    fused = _encode_fused(x, block, residual_bits, group_size, low_dtype, seed)
+    if fused is not None:
+        return fused
     return division_encode_with(CPU_KERNELS, x, block, residual_bits, group_size, low_dtype, seed)
 
 
@@ -94,5 +215,9 @@ def division_decode_cpu(
     group_size: int,
 ) -> torch.Tensor:
     """Decode a payload (of any path) on the CPU."""
+    shape = torch.Size(shape)
+    fused = _decode_fused(payload, shape, dtype, block, residual_bits, group_size)
+    if fused is not None:
+        return fused
     args = (payload, shape, dtype, block, residual_bits, group_size)
     return division_decode_with(CPU_KERNELS, *args)
