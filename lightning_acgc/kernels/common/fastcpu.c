@@ -156,6 +156,28 @@ static inline int group_param(float lo, float hi, float mp, int bits, int bf16, 
     return ok;
 }
 
+/* 8 codes q[8b..8b+7] of constant width W (3, 5, 6, 7) as one word, stored as its W low
+ * bytes at out + W * b (little-endian hosts: x86-64, aarch64), for each whole 8 codes. */
+#define PACK_ODD(W)                                                                       \
+    for (int64_t b = 0; b < len / 8; b++) {                                               \
+        uint64_t word = 0;                                                                \
+        for (int k = 0; k < 8; k++) word |= (uint64_t)q[8 * b + k] << (k * (W));          \
+        memcpy(out + b * (W), &word, (W));                                                \
+    }
+
+/* The inverse: the 8 codes of each W bytes at s (end: the bytes readable from s) as floats
+ * into c; a word loads 8 bytes where they are readable, else its W. */
+#define UNPACK_ODD(W)                                                                     \
+    for (int64_t b = 0; b < (m + 7) / 8; b++) {                                           \
+        uint64_t a = 0;                                                                   \
+        if (b * (W) + 8 <= end)                                                           \
+            memcpy(&a, s + b * (W), 8);                                                   \
+        else                                                                              \
+            memcpy(&a, s + b * (W), (W));                                                 \
+        for (int k = 0; k < 8; k++)                                                       \
+            c[8 * b + k] = (float)((uint32_t)(a >> (k * (W))) & ((1u << (W)) - 1u));      \
+    }
+
 /* Stochastic rounding and packing of one group of gs values, the group at element index
  * base: p[0..valid) its values, pad the value of the elements past them (the tail group of
  * the padded array) with its lo, inv (1 / step, 0 for a zero step), top and zk
@@ -201,10 +223,11 @@ static inline void pack_span(const float *p, int64_t valid, float pad, int64_t b
                 out[b] = byte;
             }
         } else { /* 3, 5, 6, 7 bits: 8 codes -> one word -> its bits low bytes */
-            for (int64_t b = 0; b < len / 8; b++) {
-                uint64_t word = 0;
-                for (int k = 0; k < 8; k++) word |= (uint64_t)q[8 * b + k] << (k * bits);
-                for (int j = 0; j < bits; j++) out[b * bits + j] = (uint8_t)(word >> (8 * j));
+            switch (bits) { /* constant widths: the shifts and stores unrolled */
+            case 3: PACK_ODD(3); break;
+            case 5: PACK_ODD(5); break;
+            case 6: PACK_ODD(6); break;
+            default: PACK_ODD(7); break;
             }
         }
     }
@@ -318,8 +341,12 @@ static inline void unpack_group(const uint8_t *src, int64_t len, int64_t gs, int
                     c[b * per + k] = (float)((s[b] >> (bits * k)) & mask);
         } else { /* whole 8-code words of bits bytes (groups are multiples of 8) */
             int64_t end = gs * bits / 8 - c0 * bits / 8; /* the group's bytes from s */
-            for (int64_t b = 0; b < (m + 7) / 8; b++)
-                codes8(s + b * bits, bits, b * bits + 16 <= end, c + 8 * b);
+            switch (bits) { /* constant widths: the shifts unrolled */
+            case 3: UNPACK_ODD(3); break;
+            case 5: UNPACK_ODD(5); break;
+            case 6: UNPACK_ODD(6); break;
+            default: UNPACK_ODD(7); break;
+            }
         }
         if (z) { /* as the reference: v * min(c, 1) + 0, branch-free (vectorized) */
             for (int64_t j = 0; j < m; j++) {
