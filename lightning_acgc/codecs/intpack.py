@@ -11,7 +11,7 @@ from lightning_acgc.codecs._checks import check_group_size
 from lightning_acgc.codecs.base import Packed
 from lightning_acgc.codecs.identity import raw_packed
 from lightning_acgc.codecs.registry import register_codec
-from lightning_acgc.kernels.intpack import INT_DTYPES, intpack_decode_ref, intpack_encode_ref
+from lightning_acgc.kernels.intpack import INT_DTYPES, intpack_decode, intpack_encode
 
 __all__ = ["IntPackCodec", "IntPackConfig"]
 
@@ -35,16 +35,22 @@ class _Source:
     decoded storage is kept until each view that refers to it has been decoded."""
 
     def __init__(
-        self, payload: dict[str, torch.Tensor], start: int, numel: int, dtype: torch.dtype
+        self,
+        payload: dict[str, torch.Tensor],
+        start: int,
+        numel: int,
+        dtype: torch.dtype,
+        backend: str,
     ) -> None:
         self.payload, self.start, self.numel, self.dtype = payload, start, numel, dtype
+        self.backend = backend
         self.users = 0
         self._left = 0
         self._decoded: torch.Tensor | None = None
 
     def view(self, offset: int, shape: torch.Size, stride: tuple[int, ...], gs: int):
         if self._decoded is None:
-            self._decoded = intpack_decode_ref(self.payload, gs, self.numel, self.dtype)
+            self._decoded = intpack_decode(self.payload, gs, self.numel, self.dtype, self.backend)
             self._left = self.users
         out = self._decoded.as_strided(shape, stride, offset - self.start)
         self._left -= 1
@@ -109,7 +115,8 @@ class IntPackCodec:
         if source is None or source.numel != span.numel():
             return None, fp
         gs = self.config.group_size
-        same = torch.equal(intpack_decode_ref(source.payload, gs, source.numel, span.dtype), span)
+        decoded = intpack_decode(source.payload, gs, source.numel, span.dtype, self.backend)
+        same = torch.equal(decoded, span)
         return (source if same else None), fp
 
     def _view_of(self, x: torch.Tensor, source: _Source, delta: int, meta: dict) -> Packed:
@@ -138,12 +145,12 @@ class IntPackCodec:
             delta = source.start - x.storage_offset()
             self._sources[key] = (weakref.ref(anchor), anchor._version, weakref.ref(source), delta)
             return self._view_of(x, source, delta, meta)
-        payload = intpack_encode_ref(span, self.config.group_size)
+        payload = intpack_encode(span, self.config.group_size, self.backend)
         if sum(t.numel() * t.element_size() for t in payload.values()) >= span.numel() * (
             span.element_size()
         ):
             return None  # would not shrink
-        source = _Source(payload, x.storage_offset(), span.numel(), x.dtype)
+        source = _Source(payload, x.storage_offset(), span.numel(), x.dtype, self.backend)
         source.users = 1
         self._sources[key] = (weakref.ref(anchor), anchor._version, weakref.ref(source), 0)
         self._contents[fp] = weakref.ref(source)
@@ -156,7 +163,7 @@ class IntPackCodec:
             return raw_packed(x)
         if _last(x) + 1 - x.storage_offset() <= 2 * x.numel():  # its span is mostly x
             return self._shared(x)
-        payload = intpack_encode_ref(x, self.config.group_size)
+        payload = intpack_encode(x, self.config.group_size, self.backend)
         packed = Packed(
             self.name, x.shape, x.dtype, payload, {"group_size": self.config.group_size}
         )
@@ -173,5 +180,6 @@ class IntPackCodec:
                 offset, packed.shape, stride, packed.meta["group_size"]
             )
         n = packed.shape.numel()
-        flat = intpack_decode_ref(packed.payload, packed.meta["group_size"], n, packed.dtype)
+        gs = packed.meta["group_size"]
+        flat = intpack_decode(packed.payload, gs, n, packed.dtype, self.backend)
         return flat.view(packed.shape)

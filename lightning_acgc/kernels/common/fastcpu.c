@@ -1,4 +1,5 @@
-/* Compiled CPU path of the codec kernels (quant, mask, bounded): plain C99 + OpenMP, no torch
+/* Compiled CPU path of the codec kernels (quant, mask, bounded, division, intpack): C99 +
+ * OpenMP (and GCC's unsigned __int128 for intpack's 64-bit widths), no torch
  * headers. Python passes data pointers through ctypes (lightning_acgc/kernels/common/
  * cpu_lib.py builds this file with gcc on first use). Every function computes exactly what
  * its pure-torch reference computes (same float32 operations, no FMA contraction: built
@@ -880,5 +881,102 @@ void acgc_division_decode(const uint8_t *codes, int64_t planes, int64_t h, int64
         unpack_group(codes + g * (gs * bits / 8), len, gs, bits, lo[g], step[g], zk[g], o);
         FOR_EACH_WITH_LOW(low, i0, len, h, w, blk, ph, pw, o[k] = o[k] + lv);
         finish_chunk(o, len, fmax, zmask ? zmask + i0 / 8 : 0, min_pos);
+    }
+}
+
+/* ---- intpack: int64 values as residuals over their group's minimum, bit-packed at one
+ * width for the whole tensor (intpack/reference.py's format) ---- */
+
+#define INT_BLOCK 4096 /* values per work item: a multiple of 64, so blocks own whole words */
+
+/* base[g] = the minimum of group g (gs values, the tail group short); returns the largest
+ * residual x - base over every group, modulo 2**64 (>= 2**63: the reference's width 64). */
+uint64_t acgc_intpack_base(const int64_t *x, int64_t n, int64_t gs, int64_t *base,
+                           int nthreads) {
+    int64_t groups = (n + gs - 1) / gs;
+    uint64_t top = 0;
+#pragma omp parallel for schedule(static) num_threads(THREADS(n)) reduction(max : top)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t *p = x + g * gs;
+        int64_t len = (g + 1) * gs <= n ? gs : n - g * gs;
+        int64_t mn = p[0], mx = p[0];
+        for (int64_t j = 1; j < len; j++) {
+            mn = p[j] < mn ? p[j] : mn;
+            mx = p[j] > mx ? p[j] : mx;
+        }
+        base[g] = mn;
+        uint64_t r = (uint64_t)mx - (uint64_t)mn;
+        top = r > top ? r : top;
+    }
+    return top;
+}
+
+/* Residual x[i] - base[i / gs] (mod 2**64) at bits [i * width, (i + 1) * width) of out,
+ * least significant bit first, the last byte's unused bits 0; width 1..64. */
+void acgc_intpack_pack(const int64_t *x, int64_t n, int64_t gs, const int64_t *base, int width,
+                       uint8_t *out, int nthreads) {
+    int64_t blocks = (n + INT_BLOCK - 1) / INT_BLOCK;
+#pragma omp parallel for schedule(static) num_threads(THREADS(n))
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t i0 = b * INT_BLOCK, i1 = i0 + INT_BLOCK < n ? i0 + INT_BLOCK : n;
+        uint8_t *o = out + i0 / 8 * width;
+        int64_t g = i0 / gs, gend = (g + 1) * gs;
+        uint64_t bs = (uint64_t)base[g];
+        unsigned __int128 acc = 0;
+        int nb = 0;
+        for (int64_t i = i0; i < i1; i++) {
+            if (i == gend) {
+                bs = (uint64_t)base[++g];
+                gend += gs;
+            }
+            acc |= (unsigned __int128)((uint64_t)x[i] - bs) << nb;
+            nb += width;
+            if (nb >= 64) {
+                uint64_t word = (uint64_t)acc;
+                memcpy(o, &word, 8); /* little-endian hosts (x86-64, aarch64) */
+                o += 8;
+                acc >>= 64;
+                nb -= 64;
+            }
+        }
+        for (; nb > 0; nb -= 8, acc >>= 8) *o++ = (uint8_t)acc; /* the stream's tail only */
+    }
+}
+
+/* The inverse of acgc_intpack_pack (width 0..64): out[i] = base[i / gs] + residual i. */
+void acgc_intpack_unpack(const uint8_t *bits, int64_t n, int64_t gs, const int64_t *base,
+                         int width, int64_t *out, int nthreads) {
+    int64_t blocks = (n + INT_BLOCK - 1) / INT_BLOCK;
+    const uint8_t *end = bits + (n * width + 7) / 8;
+    uint64_t mask = width == 64 ? ~(uint64_t)0 : (((uint64_t)1 << width) - 1);
+#pragma omp parallel for schedule(static) num_threads(THREADS(n))
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t i0 = b * INT_BLOCK, i1 = i0 + INT_BLOCK < n ? i0 + INT_BLOCK : n;
+        const uint8_t *s = bits + i0 / 8 * width;
+        int64_t g = i0 / gs, gend = (g + 1) * gs;
+        uint64_t bs = (uint64_t)base[g];
+        unsigned __int128 acc = 0;
+        int nb = 0;
+        for (int64_t i = i0; i < i1; i++) {
+            if (i == gend) {
+                bs = (uint64_t)base[++g];
+                gend += gs;
+            }
+            while (nb < width) {
+                if (s + 8 <= end) {
+                    uint64_t word;
+                    memcpy(&word, s, 8);
+                    acc |= (unsigned __int128)word << nb;
+                    nb += 64;
+                    s += 8;
+                } else {
+                    acc |= (unsigned __int128)(*s++) << nb;
+                    nb += 8;
+                }
+            }
+            out[i] = (int64_t)(((uint64_t)acc & mask) + bs);
+            acc >>= width;
+            nb -= width;
+        }
     }
 }

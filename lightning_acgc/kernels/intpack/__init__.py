@@ -1,10 +1,66 @@
-"""``intpack`` kernels: lossless frame-of-reference bit packing of integer tensors
-(pure torch; see :mod:`lightning_acgc.kernels.intpack.reference`)."""
+"""``intpack`` kernels: lossless frame-of-reference bit packing of integer tensors, the
+compiled CPU path for CPU tensors and the pure-torch reference elsewhere (there is no
+Triton kernel: CUDA tensors take the reference's torch ops); see
+:mod:`lightning_acgc.kernels.intpack.reference` for the format."""
 
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lightning_acgc.kernels.common.dispatch import route
+from lightning_acgc.kernels.intpack.cpu import intpack_decode_cpu, intpack_encode_cpu
 from lightning_acgc.kernels.intpack.reference import (
     INT_DTYPES,
     intpack_decode_ref,
     intpack_encode_ref,
 )
 
-__all__ = ["INT_DTYPES", "intpack_decode_ref", "intpack_encode_ref"]
+__all__ = [
+    "INT_DTYPES",
+    "intpack_decode",
+    "intpack_decode_ref",
+    "intpack_encode",
+    "intpack_encode_ref",
+]
+
+
+def _pick(
+    x: torch.Tensor, backend: str, reference: Callable[..., Any], cpu: Callable[..., Any]
+) -> Callable[..., Any]:
+    if x.device.type != "cpu" or backend == "triton":  # no Triton kernel: torch ops
+        return reference
+    return route(x, backend, reference, "", cpu)
+
+
+def intpack_encode(
+    x: torch.Tensor, group_size: int, backend: str = "auto"
+) -> dict[str, torch.Tensor]:
+    """Pack a non-empty integer tensor of a dtype in :data:`INT_DTYPES`.
+
+    Example:
+        >>> p = intpack_encode(torch.tensor([7, 8, 9, 10]), group_size=8)
+        >>> p["base"].tolist(), int(p["width"]), p["bits"].numel()
+        ([7], 2, 1)
+    """
+    return _pick(x, backend, intpack_encode_ref, intpack_encode_cpu)(x, group_size)
+
+
+def intpack_decode(
+    payload: dict[str, torch.Tensor],
+    group_size: int,
+    numel: int,
+    dtype: torch.dtype,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Flat tensor of the ``numel`` packed values in ``dtype`` (exact).
+
+    Example:
+        >>> p = intpack_encode(torch.tensor([7, 8, 9, 10]), group_size=8)
+        >>> intpack_decode(p, 8, 4, torch.int64).tolist()
+        [7, 8, 9, 10]
+    """
+    fn = _pick(payload["base"], backend, intpack_decode_ref, intpack_decode_cpu)
+    return fn(payload, group_size, numel, dtype)
