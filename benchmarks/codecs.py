@@ -5,8 +5,9 @@ For each codec setting and tensor size (fp32, post-ReLU: about half zeros), time
 so that drift and other load affect all three alike. Prints one JSON line: per setting and
 size the median (and min) of encode and decode as a multiple of the clone's median (min;
 the clone times of every setting with the same input pooled), and GB/s counting bytes
-read plus written. Full mode (the default): 4 MB and 64 MB, 9 rounds; ``--quick``: 4 MB,
-5 rounds. ``run_all`` stores the line in
+read plus written. ``mask`` takes ``x > 0``, ``intpack`` int64 max-pool indices of the
+same byte count (:func:`pooling_indices`). Full mode (the default): 4 MB and 64 MB, 9
+rounds; ``--quick``: 4 MB, 5 rounds. ``run_all`` stores the line in
 ``benchmarks/results/codecs.jsonl`` and ``report`` makes README's codec table from it.
 
     python -m benchmarks.codecs [--quick] [--sizes-mb 4 64] [--rounds 9] [--threads 2]
@@ -44,6 +45,7 @@ SETTINGS: dict[str, tuple[str, Any]] = {  # codec, its options (or config)
     "bounded_rel1e-2": ("bounded", {"error_bound": 1e-2, "relative": True}),
     "division": ("division", {}),
     "mask": ("mask", {}),
+    "intpack": ("intpack", {}),
 }
 
 
@@ -55,19 +57,41 @@ def _time(fn: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+def pooling_indices(x: torch.Tensor) -> torch.Tensor:
+    """int64 values of the bytes of ``x`` (half its count) laid out as a stride-2 3x3 max
+    pool's argmax indices into 112x112 planes: each output's window start plus an offset
+    of 0-2 rows and 0-2 columns (ResNet's stem pool on ImageNet)."""
+    m = x.numel() * x.element_size() // 8
+    gen = torch.Generator().manual_seed(1)
+    out = torch.arange(m)
+    row, col = out % 3136 // 56, out % 56  # 56x56 outputs per plane
+    pick = torch.randint(0, 9, (m,), generator=gen)
+    start = (2 * row + pick // 3).clamp(max=111) * 112 + (2 * col + pick % 3).clamp(max=111)
+    return start.to(x.device)
+
+
 def _measure(name: str, x: torch.Tensor, rounds: int) -> dict[str, Any]:
     """Times of ``x.clone()``, encode and decode of setting ``name``, interleaved by round."""
     codec_name, options = SETTINGS[name]
     codec = build_codec(codec_name, options)
     if codec_name == "mask":
         x = x > 0
+    elif codec_name == "intpack":
+        x = pooling_indices(x)
     packed = codec.encode(x, seed=1)
     codec.decode(packed)  # warm-up
     x.clone()
+
+    def encode(r: int) -> Any:
+        # intpack's codec knows a storage it has packed (a second layer saving the same
+        # indices costs nothing): each round packs with a fresh codec
+        fresh = build_codec(codec_name, options) if codec_name == "intpack" else codec
+        return fresh.encode(x, seed=r)
+
     times: dict[str, list[float]] = {"clone": [], "encode": [], "decode": []}
     for r in range(rounds):
         times["clone"].append(_time(x.clone, x.device))
-        times["encode"].append(_time(lambda r=r: codec.encode(x, seed=r), x.device))
+        times["encode"].append(_time(lambda r=r: encode(r), x.device))
         times["decode"].append(_time(lambda: codec.decode(packed), x.device))
     raw = x.numel() * x.element_size()
     return {"times": times, "raw": raw, "packed": packed.nbytes, "input": str(x.dtype)}

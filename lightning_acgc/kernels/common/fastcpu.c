@@ -943,7 +943,20 @@ void acgc_intpack_pack(const int64_t *x, int64_t n, int64_t gs, const int64_t *b
     }
 }
 
-/* The inverse of acgc_intpack_pack (width 0..64): out[i] = base[i / gs] + residual i. */
+/* Bits [sh, sh + 64) of the bytes at p (sh < 8), reading no byte at or past end. */
+static inline uint64_t bits_at(const uint8_t *p, const uint8_t *end, int sh) {
+    uint8_t buf[16] = {0};
+    int64_t room = end - p;
+    memcpy(buf, p, (size_t)(room < 9 ? room : 9));
+    uint64_t a, b;
+    memcpy(&a, buf, 8); /* little-endian hosts (x86-64, aarch64) */
+    memcpy(&b, buf + 8, 8);
+    unsigned __int128 v = ((unsigned __int128)b << 64) | a;
+    return (uint64_t)(v >> sh);
+}
+
+/* The inverse of acgc_intpack_pack (width 0..64): out[i] = base[i / gs] + residual i, each
+ * residual read on its own (one 8-byte load where the width and the stream's end allow). */
 void acgc_intpack_unpack(const uint8_t *bits, int64_t n, int64_t gs, const int64_t *base,
                          int width, int64_t *out, int nthreads) {
     int64_t blocks = (n + INT_BLOCK - 1) / INT_BLOCK;
@@ -952,31 +965,23 @@ void acgc_intpack_unpack(const uint8_t *bits, int64_t n, int64_t gs, const int64
 #pragma omp parallel for schedule(static) num_threads(THREADS(n))
     for (int64_t b = 0; b < blocks; b++) {
         int64_t i0 = b * INT_BLOCK, i1 = i0 + INT_BLOCK < n ? i0 + INT_BLOCK : n;
-        const uint8_t *s = bits + i0 / 8 * width;
-        int64_t g = i0 / gs, gend = (g + 1) * gs;
-        uint64_t bs = (uint64_t)base[g];
-        unsigned __int128 acc = 0;
-        int nb = 0;
-        for (int64_t i = i0; i < i1; i++) {
-            if (i == gend) {
-                bs = (uint64_t)base[++g];
-                gend += gs;
-            }
-            while (nb < width) {
-                if (s + 8 <= end) {
+        for (int64_t g0 = i0; g0 < i1;) { /* the part of each group inside the block */
+            int64_t g = g0 / gs, stop = (g + 1) * gs < i1 ? (g + 1) * gs : i1;
+            uint64_t bs = (uint64_t)base[g];
+            for (int64_t i = g0; i < stop; i++) {
+                uint64_t bit = (uint64_t)i * (uint64_t)width;
+                const uint8_t *p = bits + (bit >> 3);
+                uint64_t r;
+                if (width <= 56 && p + 8 <= end) {
                     uint64_t word;
-                    memcpy(&word, s, 8);
-                    acc |= (unsigned __int128)word << nb;
-                    nb += 64;
-                    s += 8;
+                    memcpy(&word, p, 8); /* little-endian hosts (x86-64, aarch64) */
+                    r = word >> (bit & 7);
                 } else {
-                    acc |= (unsigned __int128)(*s++) << nb;
-                    nb += 8;
+                    r = width ? bits_at(p, end, (int)(bit & 7)) : 0;
                 }
+                out[i] = (int64_t)((r & mask) + bs);
             }
-            out[i] = (int64_t)(((uint64_t)acc & mask) + bs);
-            acc >>= width;
-            nb -= width;
+            g0 = stop;
         }
     }
 }
