@@ -139,7 +139,9 @@ def test_views_of_one_storage_share_one_packed_copy_decoded_once(monkeypatch) ->
     assert first.nbytes > 0 and second.nbytes == 0  # counted once
     calls = []
     real = intpack_module.intpack_decode
-    monkeypatch.setattr(intpack_module, "intpack_decode", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(
+        intpack_module, "intpack_decode", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
     for _ in range(2):  # two backward passes: one decode each
         assert torch.equal(codec.decode(second), col)
         assert torch.equal(codec.decode(first), row)

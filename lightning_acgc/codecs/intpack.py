@@ -50,7 +50,8 @@ class _Source:
 
     def view(self, offset: int, shape: torch.Size, stride: tuple[int, ...], gs: int):
         if self._decoded is None:
-            self._decoded = intpack_decode(self.payload, gs, self.numel, self.dtype, self.backend)
+            args = (self.payload, gs, self.numel, self.dtype)
+            self._decoded = intpack_decode(*args, backend=self.backend)
             self._left = self.users
         out = self._decoded.as_strided(shape, stride, offset - self.start)
         self._left -= 1
@@ -115,7 +116,8 @@ class IntPackCodec:
         if source is None or source.numel != span.numel():
             return None, fp
         gs = self.config.group_size
-        decoded = intpack_decode(source.payload, gs, source.numel, span.dtype, self.backend)
+        args = (source.payload, gs, source.numel, span.dtype)
+        decoded = intpack_decode(*args, backend=self.backend)
         same = torch.equal(decoded, span)
         return (source if same else None), fp
 
@@ -145,7 +147,7 @@ class IntPackCodec:
             delta = source.start - x.storage_offset()
             self._sources[key] = (weakref.ref(anchor), anchor._version, weakref.ref(source), delta)
             return self._view_of(x, source, delta, meta)
-        payload = intpack_encode(span, self.config.group_size, self.backend)
+        payload = intpack_encode(span, self.config.group_size, backend=self.backend)
         if sum(t.numel() * t.element_size() for t in payload.values()) >= span.numel() * (
             span.element_size()
         ):
@@ -163,7 +165,7 @@ class IntPackCodec:
             return raw_packed(x)
         if _last(x) + 1 - x.storage_offset() <= 2 * x.numel():  # its span is mostly x
             return self._shared(x)
-        payload = intpack_encode(x, self.config.group_size, self.backend)
+        payload = intpack_encode(x, self.config.group_size, backend=self.backend)
         packed = Packed(
             self.name, x.shape, x.dtype, payload, {"group_size": self.config.group_size}
         )
@@ -181,5 +183,5 @@ class IntPackCodec:
             )
         n = packed.shape.numel()
         gs = packed.meta["group_size"]
-        flat = intpack_decode(packed.payload, gs, n, packed.dtype, self.backend)
+        flat = intpack_decode(packed.payload, gs, n, packed.dtype, backend=self.backend)
         return flat.view(packed.shape)

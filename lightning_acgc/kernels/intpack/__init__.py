@@ -36,7 +36,7 @@ def _pick(
 
 
 def intpack_encode(
-    x: torch.Tensor, group_size: int, backend: str = "auto"
+    x: torch.Tensor, group_size: int, *, backend: str = "auto"
 ) -> dict[str, torch.Tensor]:
     """Pack a non-empty integer tensor of a dtype in :data:`INT_DTYPES`.
 
@@ -53,6 +53,7 @@ def intpack_decode(
     group_size: int,
     numel: int,
     dtype: torch.dtype,
+    *,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Flat tensor of the ``numel`` packed values in ``dtype`` (exact).
