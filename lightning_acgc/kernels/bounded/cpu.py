@@ -2,11 +2,12 @@
 :mod:`lightning_acgc.kernels.bounded.reference` (the specification).
 
 Three stages, as in the Triton launcher: C reduces each group's min, max, smallest
-positive value and whether it holds a zero (one pass); torch decides the per-group plan
-from those ``G`` values (:func:`~lightning_acgc.kernels.bounded.plan.group_plan`, shared
-with the reference) and the byte offset of each group's codes (a cumsum); C rounds, packs
-at each group's width and checks the decoded value of every element against the bound
-(second pass), listing the violators only when there are some. Tensors holding NaN/inf,
+positive value and whether it holds a zero (one pass); C decides the per-group plan from
+those ``G`` values with the float32 and float64 operations of
+:func:`~lightning_acgc.kernels.bounded.plan.group_plan` (the specification, which the
+reference and Triton run in torch) and the byte offset of each group's codes; C rounds,
+packs at each group's width and checks the decoded value of every element against the
+bound (second pass), listing the violators only when there are some. Tensors holding NaN/inf,
 and float16 where the compiler has no ``_Float16``, go to the reference.
 """
 
@@ -14,12 +15,12 @@ from __future__ import annotations
 
 import torch
 
+from lightning_acgc.kernels.bounded import plan
 from lightning_acgc.kernels.bounded.plan import (
     RAW_WIDTH,
     abs_bound,
     check_args,
     f32_down,
-    group_plan,
 )
 from lightning_acgc.kernels.bounded.reference import bounded_decode_ref, bounded_encode_ref
 from lightning_acgc.kernels.common.cpu_lib import cpu_library, cpu_threads
@@ -79,28 +80,32 @@ def bounded_encode_cpu(
     n, threads = xf.numel(), cpu_threads()
     groups = -(-n // group_size)
     lo, hi, min_pos = (torch.empty(groups) for _ in range(3))
-    bad = lib.acgc_group_stats(
-        xf.data_ptr(), n, group_size, lo.data_ptr(), hi.data_ptr(), min_pos.data_ptr(), threads
-    )
+    has_zero = torch.empty(groups, dtype=torch.uint8)
+    bad = lib.acgc_bounded_stats(
+        xf.data_ptr(), n, group_size, lo.data_ptr(), hi.data_ptr(), min_pos.data_ptr(),
+        has_zero.data_ptr(), threads,
+    )  # fmt: skip
     if bad:  # NaN/inf: the reference sets them aside
         return bounded_encode_ref(x, error_bound, group_size, relative)
     _zero_group_signs(xf, group_size, lo, hi)
     eb = abs_bound(lo, hi, None, error_bound, relative)
-
-    def has_zero() -> torch.Tensor:
-        out = torch.empty(groups, dtype=torch.uint8)
-        lib.acgc_group_has_zero(xf.data_ptr(), n, group_size, out.data_ptr(), threads)
-        return out.bool()
-
-    plan = group_plan(lo, hi, eb, x.dtype, has_zero, lambda: min_pos)
-    width, lo_p, step_p = plan.width.contiguous(), plan.lo.contiguous(), plan.step.contiguous()
-    offsets, nbytes = _offsets(width, group_size)
+    kind = _KIND[x.dtype]
+    width = torch.empty(groups, dtype=torch.uint8)
+    lo_p, step_p = torch.empty(groups), torch.empty(groups)
+    offsets = torch.empty(groups, dtype=torch.int64)
+    any_coded_raw = torch.empty(2, dtype=torch.int32)
+    nbytes = lib.acgc_bounded_plan(
+        lo.data_ptr(), hi.data_ptr(), min_pos.data_ptr(), has_zero.data_ptr(), groups,
+        group_size, float(eb), kind, plan._STEP_SLACK, plan._MAX_STEP, plan._GRID_MAX_K,
+        width.data_ptr(), lo_p.data_ptr(), step_p.data_ptr(), offsets.data_ptr(),
+        any_coded_raw.data_ptr(), threads,
+    )  # fmt: skip
+    coded_any, raw_any = any_coded_raw.tolist()
     codes = torch.empty(nbytes, dtype=torch.uint8)
     viol = torch.zeros(groups, dtype=torch.int32)
-    check = bool(plan.coded.any())  # the reference checks only where something is coded
+    check = bool(coded_any)  # the reference checks only where something is coded
     eb32 = float(f32_down(eb))
     top = torch.finfo(x.dtype).max
-    kind = _KIND[x.dtype]
 
     def pack(flags: torch.Tensor | None) -> None:
         lib.acgc_bounded_pack(
@@ -116,8 +121,8 @@ def bounded_encode_cpu(
         exc_idx = flags[:n].nonzero().view(-1)
     else:
         exc_idx = torch.zeros(0, dtype=torch.int64)
-    raw_groups = plan.raw.nonzero().view(-1)
-    if raw_groups.numel():
+    raw_groups = (width == RAW_WIDTH).nonzero().view(-1) if raw_any else None
+    if raw_groups is not None:
         xpad = torch.cat([xf, xf[-1:].expand(groups * group_size - n)])
         raw_vals = xpad.view(groups, group_size).index_select(0, raw_groups).to(x.dtype)
     else:

@@ -39,7 +39,7 @@ _FLAGS = [
 ]
 
 _I64, _I32, _U32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p
-_F32 = ctypes.c_float
+_F32, _F64 = ctypes.c_float, ctypes.c_double
 _VIEW = [_I64, _I64, _I64, _I64, _I32, _I32]  # division's (planes, h, w, block, pool h, pool w)
 _SIGNATURES = {
     "acgc_group_stats": (_I32, [_P, _I64, _I64, _P, _P, _P, _I32]),
@@ -69,6 +69,11 @@ _SIGNATURES = {
     "acgc_intpack_base": (ctypes.c_uint64, [_P, _I64, _I64, _P, _I32]),
     "acgc_intpack_pack": (None, [_P, _I64, _I64, _P, _I32, _P, _I32]),
     "acgc_intpack_unpack": (None, [_P, _I64, _I64, _P, _I32, _P, _I32]),
+    "acgc_bounded_stats": (_I32, [_P, _I64, _I64, _P, _P, _P, _P, _I32]),
+    "acgc_bounded_plan": (
+        _I64,
+        [_P, _P, _P, _P, _I64, _I64, _F64, _I32, _F64, _F64, _F64, _P, _P, _P, _P, _P, _I32],
+    ),
     "acgc_bounded_unpack": (None, [_P, _I64, _I64, _P, _P, _P, _P, _F32, _I32, _P, _I32]),
 }
 

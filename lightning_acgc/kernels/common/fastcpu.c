@@ -418,6 +418,105 @@ void acgc_group_has_zero(const float *x, int64_t n, int64_t gs, uint8_t *has_zer
     }
 }
 
+/* ---- bounded: group statistics and the per-group plan (bounded/plan.py) ---- */
+
+/* acgc_group_stats, and has_zero[g] whether group g holds an exact 0, scanned (in cache)
+ * only for groups with both signs, the only ones whose plan reads it (0 elsewhere). */
+int acgc_bounded_stats(const float *x, int64_t n, int64_t gs, float *lo, float *hi,
+                       float *min_pos, uint8_t *has_zero, int nthreads) {
+    int64_t groups = (n + gs - 1) / gs;
+    int bad = 0;
+#pragma omp parallel for schedule(static) num_threads(THREADS(n)) reduction(| : bad)
+    for (int64_t g = 0; g < groups; g++) {
+        const float *p = x + g * gs;
+        int64_t len = (g + 1) * gs <= n ? gs : n - g * gs;
+        bad |= stats_of(p, len, lo + g, hi + g, min_pos + g);
+        int z = 0;
+        if (lo[g] < 0.0f && hi[g] > 0.0f)
+            for (int64_t i = 0; i < len; i++) z |= p[i] == 0.0f;
+        has_zero[g] = (uint8_t)z;
+    }
+    return bad;
+}
+
+/* plan.py's _ulp: the spacing of a format with mant mantissa bits and smallest normal
+ * exponent emin in the binade of mag (float64, >= 0). */
+static inline double ulp_of(double mag, int mant, int emin) {
+    uint64_t b;
+    memcpy(&b, &mag, 8);
+    b &= 0x7FF0000000000000ULL; /* 2^floor(log2 mag), exactly */
+    double pow2;
+    memcpy(&pow2, &b, 8);
+    double r = pow2 * ldexp(1.0, -mant), least = ldexp(1.0, emin - mant);
+    return r < least ? least : r;
+}
+
+/* plan.py's f32_down: (float)v, one step toward 0 where that rounded above v. */
+static inline float f32_down(double v) {
+    float f = (float)v;
+    return (double)f > v ? nextafterf(f, 0.0f) : f;
+}
+
+/* group_plan of plan.py for G groups of gs values (the same float32 and float64 operations
+ * in the same order): from each group's lo, hi, smallest positive value and has_zero and
+ * the absolute bound eb, the payload's width (255: raw), lo and signed step, and offsets[g]
+ * the byte offset of group g's codes. kind: the input dtype (0 float32, 1 float16,
+ * 2 bfloat16); slack, max_step, grid_max_k: plan.py's constants. any[0] = some group is
+ * coded, any[1] = some group is raw. Returns the codes' bytes. */
+int64_t acgc_bounded_plan(const float *lo, const float *hi, const float *min_pos,
+                          const uint8_t *has_zero, int64_t groups, int64_t gs, double eb,
+                          int kind, double slack, double max_step, double grid_max_k,
+                          uint8_t *width, float *lo_p, float *step_p, int64_t *offsets,
+                          int32_t *any, int nthreads) {
+    int mant = kind == 1 ? 10 : 7, emin = kind == 1 ? -14 : -126;
+    double dmax = kind == 1 ? 65504.0 : 3.3895313892515355e38;
+    float top_code = kind == 0 ? 65535.0f : 32767.0f;
+    int coded_any = 0, raw_any = 0;
+#pragma omp parallel for schedule(static) num_threads(THREADS(groups * 8)) \
+    reduction(| : coded_any, raw_any)
+    for (int64_t g = 0; g < groups; g++) {
+        float l = lo[g], h = hi[g];
+        int cst = l == h;
+        int zlo = l == 0.0f && !cst;
+        int zk = zlo || (h == 0.0f && !cst) || (l < 0.0f && h > 0.0f && has_zero[g]);
+        float base = zlo ? min_pos[g] : l;
+        double al = fabs((double)l), ah = fabs((double)h);
+        double mag = (al > ah ? al : ah) + eb;
+        double err = 3.0 * ulp_of(mag, 23, -126);
+        if (kind != 0) err = err + 0.5 * ulp_of(mag, mant, emin);
+        double t = 2.0 * (eb - err) * slack;
+        float step = f32_down(t > max_step ? max_step : t);
+        if (kind != 0) {
+            double u = ulp_of(mag, mant, emin);
+            double k = floor(2.0 * eb * slack / u);
+            double grid_base = floor((double)base / u) * u;
+            if (!cst && k >= 1.0 && k <= grid_max_k && (grid_base > 0.0 || l < 0.0f) &&
+                mag <= dmax) {
+                step = (float)(k * u);
+                base = (float)grid_base;
+            }
+        }
+        float top = nearbyintf((h - base) / step) + (float)zk;
+        int coded = !cst && step > 0.0f && top <= top_code;
+        int raw = !cst && !coded;
+        int e = 0;
+        frexpf(coded ? top : 0.0f, &e);
+        width[g] = raw ? 255 : (uint8_t)e;
+        lo_p[g] = raw ? 0.0f : base;
+        step_p[g] = coded ? (zk ? -step : step) : 0.0f;
+        coded_any |= coded;
+        raw_any |= raw;
+    }
+    int64_t at = 0;
+    for (int64_t g = 0; g < groups; g++) {
+        offsets[g] = at;
+        at += width[g] == 255 ? 0 : (int64_t)width[g] * (gs / 8);
+    }
+    any[0] = coded_any;
+    any[1] = raw_any;
+    return at;
+}
+
 #ifdef __FLT16_MAX__
 int acgc_has_f16(void) { return 1; }
 #define ROUND_F16(v) ((float)(_Float16)(v))
