@@ -879,11 +879,11 @@ int acgc_division_low(const float *x, int64_t planes, int64_t h, int64_t w, int6
     do {                                                                                      \
         int64_t ho_ = ph ? (h + blk - 1) / blk : h, wo_ = pw ? (w + blk - 1) / blk : w;      \
         int64_t i_ = (i_start), end_ = (i_start) + (len), col_ = i_ % w, rr_ = i_ / w;        \
-        int64_t k0_ = 0;                                                                      \
+        int64_t k0_ = 0, row_ = rr_ % h, pl_ = rr_ / h; /* divisions once, then counters */   \
+        int64_t trow_ = ph ? row_ / blk : row_, rin_ = ph ? row_ % blk : 0;                  \
         while (i_ < end_) {                                                                   \
             int64_t seg_ = w - col_ < end_ - i_ ? w - col_ : end_ - i_;                       \
-            int64_t row_ = rr_ % h, pl_ = rr_ / h;                                            \
-            const float *lrow_ = (low) + (pl_ * ho_ + (ph ? row_ / blk : row_)) * wo_;        \
+            const float *lrow_ = (low) + (pl_ * ho_ + trow_) * wo_;                           \
             if (pw && blk == 8 && col_ % 8 == 0 && seg_ % 8 == 0) { /* the default block */ \
                 const float *ltile_ = lrow_ + col_ / 8;                                       \
                 for (int64_t q_ = 0; q_ < seg_ / 8; q_++) {                                   \
@@ -913,7 +913,15 @@ int acgc_division_low(const float *x, int64_t planes, int64_t h, int64_t w, int6
             k0_ += seg_;                                                                      \
             i_ += seg_;                                                                       \
             col_ = 0;                                                                         \
-            rr_++;                                                                            \
+            if (++row_ == h) { /* the next plane */                                           \
+                row_ = rin_ = trow_ = 0;                                                      \
+                pl_++;                                                                        \
+            } else if (!ph) {                                                                 \
+                trow_++;                                                                      \
+            } else if (++rin_ == blk) { /* the next tile row */                               \
+                rin_ = 0;                                                                     \
+                trow_++;                                                                      \
+            }                                                                                 \
         }                                                                                     \
     } while (0)
 
