@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 from typing import Any
@@ -225,6 +226,11 @@ class TinyCNN(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+def _destroy_process_group() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 class RankRecorder(Callback):
     """Writes what each rank saw at train end to ``out_dir/rank<k>.json``: the settings
     digest of its ActivationCompression, the digests of all ranks, and a weight checksum."""
@@ -235,6 +241,14 @@ class RankRecorder(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.hooks_in_step.append(saved_tensors_hooks_active())
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # Lightning leaves a spawned worker's gloo process group alive until the
+        # interpreter's last C++ destructors, where its threads can still be joinable: one
+        # run of the slow suite in about ten here aborted there ("terminate called without an active
+        # exception", after fit had finished). Destroy it while Python exits instead.
+        if torch.distributed.is_initialized():
+            atexit.register(_destroy_process_group)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         from lightning_acgc.lightning.callback import ActivationCompression
