@@ -245,8 +245,8 @@ class RankRecorder(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         # Lightning leaves a spawned worker's gloo process group alive until the
         # interpreter's last C++ destructors, where its threads can still be joinable: one
-        # run of the slow suite in about ten here aborted there ("terminate called without an active
-        # exception", after fit had finished). Destroy it while Python exits instead.
+        # slow-suite run in about ten here aborted there, after fit had finished
+        # ("terminate called without an active exception"). Destroy it as Python exits.
         if torch.distributed.is_initialized():
             atexit.register(_destroy_process_group)
 
