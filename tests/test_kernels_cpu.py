@@ -110,6 +110,10 @@ def test_route_uses_reference_without_library(monkeypatch) -> None:
     ref, fast = (lambda: "ref"), (lambda: "cpu")
     assert route(x, "auto", ref, "m:f", fast) is fast
     assert route(x, "torch", ref, "m:f", fast) is ref
+    assert route(x, "auto", ref, None, fast) is fast  # a family without Triton (intpack)
+    assert route(x, "triton", ref, None, fast) is ref
+    with pytest.raises(ValueError, match="backend='gpu' is not allowed"):
+        route(x, "gpu", ref, None, fast)
     monkeypatch.setattr("lightning_acgc.kernels.common.dispatch.cpu_library", lambda: None)
     assert route(x, "auto", ref, "m:f", fast) is ref
     with pytest.raises(RuntimeError, match="backend='cpu'"):

@@ -65,7 +65,7 @@ def route(
     x: torch.Tensor,
     backend: str,
     reference: Callable[..., Any],
-    triton: str,
+    triton: str | None,
     cpu: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
     """The function that handles ``x`` under ``backend``.
@@ -78,7 +78,9 @@ def route(
         x: the tensor (or a payload tensor) that decides the device.
         backend: one of :data:`BACKENDS`.
         reference: the pure-torch function.
-        triton: ``"module:function"`` of the Triton launcher, imported on first use.
+        triton: ``"module:function"`` of the Triton launcher, imported on first use; None
+            where the family has none (CUDA tensors, and ``backend="triton"``, then take
+            the reference's torch ops).
         cpu: the compiled CPU function, or None where the family has none.
 
     Raises:
@@ -90,7 +92,11 @@ def route(
         >>> route(torch.ones(2), "torch", ref, "math:sqrt")(None)
         'reference'
     """
-    if use_triton(x, backend):
+    if triton is None:
+        _check_backend(backend)
+        if backend == "triton":
+            return reference
+    elif use_triton(x, backend):
         module, name = triton.split(":")
         return getattr(importlib.import_module(module), name)
     if backend == "torch" or cpu is None or x.device.type != "cpu":

@@ -5,9 +5,6 @@ Triton kernel: CUDA tensors take the reference's torch ops); see
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 
 from lightning_acgc.kernels.common.dispatch import route
@@ -27,14 +24,6 @@ __all__ = [
 ]
 
 
-def _pick(
-    x: torch.Tensor, backend: str, reference: Callable[..., Any], cpu: Callable[..., Any]
-) -> Callable[..., Any]:
-    if x.device.type != "cpu" or backend == "triton":  # no Triton kernel: torch ops
-        return reference
-    return route(x, backend, reference, "", cpu)
-
-
 def intpack_encode(
     x: torch.Tensor, group_size: int, *, backend: str = "auto"
 ) -> dict[str, torch.Tensor]:
@@ -45,7 +34,7 @@ def intpack_encode(
         >>> p["base"].tolist(), int(p["width"]), p["bits"].numel()
         ([7], 2, 1)
     """
-    return _pick(x, backend, intpack_encode_ref, intpack_encode_cpu)(x, group_size)
+    return route(x, backend, intpack_encode_ref, None, intpack_encode_cpu)(x, group_size)
 
 
 def intpack_decode(
@@ -63,5 +52,5 @@ def intpack_decode(
         >>> intpack_decode(p, 8, 4, torch.int64).tolist()
         [7, 8, 9, 10]
     """
-    fn = _pick(payload["base"], backend, intpack_decode_ref, intpack_decode_cpu)
+    fn = route(payload["base"], backend, intpack_decode_ref, None, intpack_decode_cpu)
     return fn(payload, group_size, numel, dtype)
