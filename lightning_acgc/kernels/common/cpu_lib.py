@@ -42,13 +42,10 @@ _I64, _I32, _U32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_uint32, ctypes.c_v
 _F32, _F64 = ctypes.c_float, ctypes.c_double
 _VIEW = [_I64, _I64, _I64, _I64, _I32, _I32]  # division's (planes, h, w, block, pool h, pool w)
 _SIGNATURES = {
-    "acgc_group_stats": (_I32, [_P, _I64, _I64, _P, _P, _P, _I32]),
-    "acgc_quant_pack": (None, [_P, _I64, _I64, _I32, _P, _P, _P, _P, _U32, _P, _I32]),
     "acgc_quant_encode": (_I32, [_P, _I64, _I64, _I32, _I32, _U32, _P, _P, _P, _I32]),
     "acgc_quant_unpack": (None, [_P, _I64, _I64, _I32, _P, _P, _P, _P, _I32]),
     "acgc_mask_pack": (None, [_P, _I64, _P, _I32]),
     "acgc_mask_unpack": (None, [_P, _I64, _P, _I32]),
-    "acgc_group_has_zero": (None, [_P, _I64, _I64, _P, _I32]),
     "acgc_has_f16": (_I32, []),
     "acgc_bounded_pack": (
         None,
@@ -117,7 +114,7 @@ def cpu_library() -> ctypes.CDLL | None:
 
     Example:
         >>> lib = cpu_library()
-        >>> lib is None or hasattr(lib, "acgc_quant_pack")
+        >>> lib is None or hasattr(lib, "acgc_quant_encode")
         True
     """
     if os.environ.get("LIGHTNING_ACGC_CPU_LIB") == "0":

@@ -24,9 +24,6 @@ static inline uint32_t lowbias32(uint32_t x) {
     return x;
 }
 
-/* Per-group min, max and smallest positive value of a float32 array of n values viewed as
- * groups of gs (the tail group padded with x[n-1], which changes none of the three).
- * Returns 1 if some value is NaN or +-inf (outputs then meaningless), else 0. */
 /* Min, max and smallest positive value of p[0..len); returns 1 if some value is NaN or
  * +-inf (outputs then meaningless), else 0. */
 static inline int stats_of(const float *p, int64_t len, float *lo, float *hi, float *min_pos) {
@@ -65,21 +62,6 @@ static inline int stats_of(const float *p, int64_t len, float *lo, float *hi, fl
     *hi = mx[0];
     *min_pos = mp[0];
     return nonfinite;
-}
-
-/* Per-group min, max and smallest positive value of a float32 array of n values viewed as
- * groups of gs (the tail group padded with x[n-1], which changes none of the three).
- * Returns 1 if some value is NaN or +-inf (outputs then meaningless), else 0. */
-int acgc_group_stats(const float *x, int64_t n, int64_t gs, float *lo, float *hi,
-                     float *min_pos, int nthreads) {
-    int64_t groups = (n + gs - 1) / gs;
-    int bad = 0;
-#pragma omp parallel for schedule(static) num_threads(THREADS(n)) reduction(| : bad)
-    for (int64_t g = 0; g < groups; g++) {
-        int64_t len = (g + 1) * gs <= n ? gs : n - g * gs;
-        bad |= stats_of(x + g * gs, len, lo + g, hi + g, min_pos + g);
-    }
-    return bad;
 }
 
 /* The code of value v at element index i (low 32 bits il, kh = lowbias32((i >> 32) ^ key)):
@@ -243,16 +225,6 @@ static inline void pack_group(const float *x, int64_t n, int64_t gs, int bits, i
               codes + g * (gs * bits / 8));
 }
 
-/* pack_group over every group, with per-group parameters from the caller. */
-void acgc_quant_pack(const float *x, int64_t n, int64_t gs, int bits, const float *lo,
-                     const float *inv, const float *top, const uint8_t *zk, uint32_t key,
-                     uint8_t *codes, int nthreads) {
-    int64_t groups = (n + gs - 1) / gs;
-#pragma omp parallel for schedule(static) num_threads(THREADS(n))
-    for (int64_t g = 0; g < groups; g++)
-        pack_group(x, n, gs, bits, g, lo[g], inv[g], top[g], zk[g], key, codes);
-}
-
 /* The whole encode in one pass over each group (its values read once from memory, then
  * from cache): stats_of, group_param (bf16 or float32 metadata), pack_group. Returns 0
  * when every group is encoded; 1 when bf16 was asked and some group cannot hold it (the
@@ -404,23 +376,10 @@ void acgc_mask_unpack(const uint8_t *packed, int64_t n, uint8_t *out, int nthrea
 
 /* ---- bounded (error-bounded) codec; see kernels/bounded/reference.py for the format ---- */
 
-/* Whether some float32 value of each group is an exact zero (tail groups: the first len). */
-void acgc_group_has_zero(const float *x, int64_t n, int64_t gs, uint8_t *has_zero,
-                         int nthreads) {
-    int64_t groups = (n + gs - 1) / gs;
-#pragma omp parallel for schedule(static) num_threads(THREADS(n))
-    for (int64_t g = 0; g < groups; g++) {
-        const float *p = x + g * gs;
-        int64_t len = (g + 1) * gs <= n ? gs : n - g * gs;
-        int z = 0;
-        for (int64_t i = 0; i < len; i++) z |= p[i] == 0.0f;
-        has_zero[g] = (uint8_t)z;
-    }
-}
-
 /* ---- bounded: group statistics and the per-group plan (bounded/plan.py) ---- */
 
-/* acgc_group_stats, and has_zero[g] whether group g holds an exact 0, scanned (in cache)
+/* Per group of gs values (the tail short): min, max and smallest positive value (stats_of;
+ * returns 1 on NaN/inf), and has_zero[g] whether it holds an exact 0, scanned (in cache)
  * only for groups with both signs, the only ones whose plan reads it (0 elsewhere). */
 int acgc_bounded_stats(const float *x, int64_t n, int64_t gs, float *lo, float *hi,
                        float *min_pos, uint8_t *has_zero, int nthreads) {
@@ -726,48 +685,34 @@ void acgc_pool_last(const float *x, int64_t rows, int64_t w, int64_t blk, float 
     }
 }
 
+/* The zero bits of p[0..len) (len <= CHUNK) into out[0..ceil(len / 8)), mask layout: bit k
+ * of byte b is p[8b + k] == 0, tail bits 0. 8 flag bytes (0/1) become one byte by a
+ * multiply that gathers bit 8k into bit 56 + k. */
+static inline void zero_bits(const float *p, int64_t len, uint8_t *out) {
+    uint8_t z[CHUNK + 8];
+    for (int64_t i = 0; i < len; i++) z[i] = p[i] == 0.0f;
+    for (int64_t i = len; i < len + 8; i++) z[i] = 0;
+    for (int64_t b = 0; b < (len + 7) / 8; b++) {
+        uint64_t w;
+        memcpy(&w, z + 8 * b, 8); /* little-endian hosts (x86-64, aarch64) */
+        out[b] = (uint8_t)((w * 0x0102040810204080ULL) >> 56);
+    }
+}
+
 /* Bit i % 8 of byte i / 8 of packed is x[i] == 0 (mask layout; tail bits 0), and *min_pos
- * the smallest positive value (inf if none). Parallel over blocks of 8 values. */
+ * the smallest positive value (inf if none) of finite x. Parallel over chunks. */
 void acgc_zero_pattern(const float *x, int64_t n, uint8_t *packed, float *min_pos,
                        int nthreads) {
     int64_t chunks = (n + CHUNK - 1) / CHUNK; /* CHUNK is a multiple of 8: chunks own whole bytes */
     float best = INFINITY;
-#pragma omp parallel num_threads(THREADS(n))
-    {
-        float mp = INFINITY;
-#pragma omp for schedule(static)
-        for (int64_t c = 0; c < chunks; c++) {
-            const float *p = x + c * CHUNK;
-            int64_t len = n - c * CHUNK < CHUNK ? n - c * CHUNK : CHUNK;
-            /* smallest positive value: 16 independent lanes (a loop the compiler vectorizes) */
-            float lane[16];
-            for (int k = 0; k < 16; k++) lane[k] = INFINITY;
-            int64_t full = len / 16 * 16;
-            for (int64_t i = 0; i < full; i += 16)
-                for (int k = 0; k < 16; k++) {
-                    float v = p[i + k];
-                    float c = v > 0.0f ? v : INFINITY; /* this form, not (v > 0 && v < m): */
-                    lane[k] = c < lane[k] ? c : lane[k]; /* a masked min, no branch */
-                }
-            for (int64_t i = full; i < len; i++) {
-                float v = p[i];
-                float c = v > 0.0f ? v : INFINITY;
-                lane[0] = c < lane[0] ? c : lane[0];
-            }
-            for (int k = 0; k < 16; k++) mp = lane[k] < mp ? lane[k] : mp;
-            /* the zero bits: bit k of byte b is element 8 * b + k; 8 flag bytes (0/1) become
-             * one byte by a multiply that gathers bit 8k into bit 56 + k */
-            uint8_t z[CHUNK + 8] = {0};
-            for (int64_t i = 0; i < len; i++) z[i] = p[i] == 0.0f;
-            uint8_t *out = packed + c * (CHUNK / 8);
-            for (int64_t b = 0; b < (len + 7) / 8; b++) {
-                uint64_t w;
-                memcpy(&w, z + 8 * b, 8); /* little-endian hosts (x86-64, aarch64) */
-                out[b] = (uint8_t)((w * 0x0102040810204080ULL) >> 56);
-            }
-        }
-#pragma omp critical
+#pragma omp parallel for schedule(static) num_threads(THREADS(n)) reduction(min : best)
+    for (int64_t c = 0; c < chunks; c++) {
+        const float *p = x + c * CHUNK;
+        int64_t len = n - c * CHUNK < CHUNK ? n - c * CHUNK : CHUNK;
+        float lo, hi, mp;
+        stats_of(p, len, &lo, &hi, &mp);
         best = mp < best ? mp : best;
+        zero_bits(p, len, packed + c * (CHUNK / 8));
     }
     *min_pos = best;
 }
@@ -958,15 +903,7 @@ int acgc_division_residual(const float *x, int64_t planes, int64_t h, int64_t w,
         mn = lo < mn ? lo : mn;
         mx = hi > mx ? hi : mx;
         mp = pos < mp ? pos : mp;
-        uint8_t zf[CHUNK + 8];
-        for (int64_t j = 0; j < len; j++) zf[j] = p[j] == 0.0f;
-        for (int64_t j = len; j < len + 8; j++) zf[j] = 0;
-        uint8_t *zo = zbits + i0 / 8;
-        for (int64_t b = 0; b < (len + 7) / 8; b++) {
-            uint64_t word;
-            memcpy(&word, zf + 8 * b, 8); /* little-endian hosts (x86-64, aarch64) */
-            zo[b] = (uint8_t)((word * 0x0102040810204080ULL) >> 56);
-        }
+        zero_bits(p, len, zbits + i0 / 8);
     }
     stats[0] = mn;
     stats[1] = mx;
