@@ -12,6 +12,7 @@ and mask kernels, last-axis pooling, zero pattern, the decode's clamp and zero m
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -85,19 +86,16 @@ _FUSED_MAX_GROUP = 4096  # fastcpu.c's CHUNK: a group's residual buffer
 
 
 def _fused_view(shape: Sequence[int]) -> tuple[int, int, int, int, int] | None:
-    """(planes, h, w, pool h, pool w) of the fused kernels' view of ``shape``, as
-    :func:`~lightning_acgc.kernels.division.pooling.pool_axes` pools it; None for 0-d and
-    5-D or wider."""
-    if len(shape) == 4:
-        n, c, h, w = shape
-        return n * c, h, w, 1, 1
-    if len(shape) == 3:
-        return shape[0], shape[1], shape[2], 1, 0
-    if len(shape) == 2:
-        return shape[0], 1, shape[1], 0, 1
-    if len(shape) == 1:
-        return 1, 1, shape[0], 0, 1
-    return None
+    """(planes, h, w, pool h, pool w): ``shape`` seen by the fused kernels as (everything
+    before the last two axes, the second-last, the last), each of those two pooled where
+    :func:`~lightning_acgc.kernels.division.pooling.pool_axes` pools it; None for 0-d
+    tensors and where an earlier axis is pooled too (5-D and wider)."""
+    ndim = len(shape)
+    axes = pool_axes(ndim)
+    if not axes or min(axes) < ndim - 2:
+        return None
+    *lead, h, w = (1, 1, *shape)
+    return math.prod(lead), h, w, int(ndim - 2 in axes), int(ndim - 1 in axes)
 
 
 def _pooled(size: int, pooled: int, block: int) -> int:
@@ -115,7 +113,8 @@ def _encode_fused(
     planes, h, w, ph, pw = view
     xf = x.to(torch.float32).contiguous()  # .to alone keeps a transposed view's strides
     lib, threads = cpu_library(), cpu_threads()
-    low_shape = [_pooled(s, i in pool_axes(x.ndim), block) for i, s in enumerate(x.shape)]
+    axes = pool_axes(x.ndim)
+    low_shape = [_pooled(s, i in axes, block) for i, s in enumerate(x.shape)]
     low = torch.empty(low_shape, dtype=torch.float32)
     bf16 = int(low_dtype == torch.bfloat16)
     args = (planes, h, w, block, ph, pw)
