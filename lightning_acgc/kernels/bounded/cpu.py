@@ -5,10 +5,11 @@ Three stages, as in the Triton launcher: C reduces each group's min, max, smalle
 positive value and whether it holds a zero (one pass); C decides the per-group plan from
 those ``G`` values with the float32 and float64 operations of
 :func:`~lightning_acgc.kernels.bounded.plan.group_plan` (the specification, which the
-reference and Triton run in torch) and the byte offset of each group's codes; C rounds,
-packs at each group's width and checks the decoded value of every element against the
-bound (second pass), listing the violators only when there are some. Tensors holding NaN/inf,
-and float16 where the compiler has no ``_Float16``, go to the reference.
+reference and Triton run in torch), and :func:`_offsets` the byte offset of each group's
+codes (as the decoder does); C rounds, packs at each group's width and checks the decoded
+value of every element against the bound (second pass), listing the violators only when
+there are some. Tensors holding NaN/inf, and float16 where the compiler has no
+``_Float16``, go to the reference.
 """
 
 from __future__ import annotations
@@ -92,15 +93,14 @@ def bounded_encode_cpu(
     kind = _KIND[x.dtype]
     width = torch.empty(groups, dtype=torch.uint8)
     lo_p, step_p = torch.empty(groups), torch.empty(groups)
-    offsets = torch.empty(groups, dtype=torch.int64)
     any_coded_raw = torch.empty(2, dtype=torch.int32)
-    nbytes = lib.acgc_bounded_plan(
+    lib.acgc_bounded_plan(
         lo.data_ptr(), hi.data_ptr(), min_pos.data_ptr(), has_zero.data_ptr(), groups,
-        group_size, float(eb), kind, plan._STEP_SLACK, plan._MAX_STEP, plan._GRID_MAX_K,
-        width.data_ptr(), lo_p.data_ptr(), step_p.data_ptr(), offsets.data_ptr(),
-        any_coded_raw.data_ptr(), threads,
+        float(eb), kind, plan._STEP_SLACK, plan._MAX_STEP, plan._GRID_MAX_K, width.data_ptr(),
+        lo_p.data_ptr(), step_p.data_ptr(), any_coded_raw.data_ptr(), threads,
     )  # fmt: skip
     coded_any, raw_any = any_coded_raw.tolist()
+    offsets, nbytes = _offsets(width, group_size)
     codes = torch.empty(nbytes, dtype=torch.uint8)
     viol = torch.zeros(groups, dtype=torch.int32)
     check = bool(coded_any)  # the reference checks only where something is coded

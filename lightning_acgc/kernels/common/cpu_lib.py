@@ -68,8 +68,8 @@ _SIGNATURES = {
     "acgc_intpack_unpack": (None, [_P, _I64, _I64, _P, _I32, _P, _I32]),
     "acgc_bounded_stats": (_I32, [_P, _I64, _I64, _P, _P, _P, _P, _I32]),
     "acgc_bounded_plan": (
-        _I64,
-        [_P, _P, _P, _P, _I64, _I64, _F64, _I32, _F64, _F64, _F64, _P, _P, _P, _P, _P, _I32],
+        None,
+        [_P, _P, _P, _P, _I64, _F64, _I32, _F64, _F64, _F64, _P, _P, _P, _P, _I32],
     ),
     "acgc_bounded_unpack": (None, [_P, _I64, _I64, _P, _P, _P, _P, _F32, _I32, _P, _I32]),
 }

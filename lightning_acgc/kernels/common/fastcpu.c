@@ -418,15 +418,13 @@ static inline float f32_down(double v) {
 
 /* group_plan of plan.py for G groups of gs values (the same float32 and float64 operations
  * in the same order): from each group's lo, hi, smallest positive value and has_zero and
- * the absolute bound eb, the payload's width (255: raw), lo and signed step, and offsets[g]
- * the byte offset of group g's codes. kind: the input dtype (0 float32, 1 float16,
- * 2 bfloat16); slack, max_step, grid_max_k: plan.py's constants. any[0] = some group is
- * coded, any[1] = some group is raw. Returns the codes' bytes. */
-int64_t acgc_bounded_plan(const float *lo, const float *hi, const float *min_pos,
-                          const uint8_t *has_zero, int64_t groups, int64_t gs, double eb,
-                          int kind, double slack, double max_step, double grid_max_k,
-                          uint8_t *width, float *lo_p, float *step_p, int64_t *offsets,
-                          int32_t *any, int nthreads) {
+ * the absolute bound eb, the payload's width (255: raw), lo and signed step. kind: the
+ * input dtype (0 float32, 1 float16, 2 bfloat16); slack, max_step, grid_max_k: plan.py's
+ * constants. any[0] = some group is coded, any[1] = some group is raw. */
+void acgc_bounded_plan(const float *lo, const float *hi, const float *min_pos,
+                       const uint8_t *has_zero, int64_t groups, double eb, int kind,
+                       double slack, double max_step, double grid_max_k, uint8_t *width,
+                       float *lo_p, float *step_p, int32_t *any, int nthreads) {
     int mant = kind == 1 ? 10 : 7, emin = kind == 1 ? -14 : -126;
     double dmax = kind == 1 ? 65504.0 : 3.3895313892515355e38;
     float top_code = kind == 0 ? 65535.0f : 32767.0f;
@@ -466,14 +464,8 @@ int64_t acgc_bounded_plan(const float *lo, const float *hi, const float *min_pos
         coded_any |= coded;
         raw_any |= raw;
     }
-    int64_t at = 0;
-    for (int64_t g = 0; g < groups; g++) {
-        offsets[g] = at;
-        at += width[g] == 255 ? 0 : (int64_t)width[g] * (gs / 8);
-    }
     any[0] = coded_any;
     any[1] = raw_any;
-    return at;
 }
 
 #ifdef __FLT16_MAX__
