@@ -56,6 +56,33 @@ def test_floors_widen_the_tensors_around_the_layer_over_budget_only() -> None:
         assert LADDER.index(width) == LADDER.index(before[key]) - 1
 
 
+def _layer_reading(kappa_reading: float) -> ACGCPolicy:
+    """One verified calibration of :func:`_policy`'s two scopes: the whole model measured
+    ``kappa_reading`` times its modelled error; the query of scope 0 is 4x over its
+    budget, that of scope 1 40x (half of each budget modelled as its own input's)."""
+    policy = _policy()
+    budget = policy.target * policy.gradient_error**2
+    policy._predicted_own = {"enc.0.attn.q": 2 * budget, "enc.1.attn.q": 2 * budget}
+    err_sq = 0.001
+    policy._predicted = err_sq / kappa_reading
+    policy._measure(g_sq=2.0, err_sq=err_sq)
+    module_g = {"enc.0.attn.q": 1.0, "enc.1.attn.q": 1.0}
+    module_err = {"enc.0.attn.q": 4 * budget, "enc.1.attn.q": 40 * budget}
+    policy._measure_layers(module_g, module_err, g_sq=2.0)
+    return policy
+
+
+def test_floors_take_only_what_kappa_leaves() -> None:
+    """κ rising 4x tightens every layer's next budget 4x: a layer 4x over needs no floor
+    on top (both at once put a quarter of ResNet-50's bytes at 32 bits), one 40x over
+    still gets its floors."""
+    steady = _layer_reading(kappa_reading=0.5)  # κ starts at 0.5: no change
+    assert {k.partition(":")[0] for k in steady._floors} == {"enc.0.attn", "enc.1.attn"}
+    rising = _layer_reading(kappa_reading=2.0)
+    assert rising.kappa == 2.0
+    assert {k.partition(":")[0] for k in rising._floors} == {"enc.1.attn"}
+
+
 def test_floors_enter_the_allocation() -> None:
     policy = _policy()
     policy._floors = {"enc.1.attn:small": 8}

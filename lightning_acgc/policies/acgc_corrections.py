@@ -77,8 +77,10 @@ class ModelCorrections:
         e = self.error_target
         self._metrics["grad_error"] = ratio
         self._metrics["tightened"] = float(ratio > e)
+        self._kappa_change = 1.0
         if self._predicted is None or self._predicted <= 0:
             return
+        before = self.kappa
         reading = max(err_sq / self._predicted, 1e-3)
         self._readings.append(reading)
         if self.codec == "quant":
@@ -91,6 +93,7 @@ class ModelCorrections:
             # Tighten at once; loosen at most 2x in variance per calibration: eb²/3 is a
             # loose upper bound, least reliable far from where it was last checked.
             self.kappa = max(max(self._readings), self.kappa / self.max_loosening)
+        self._kappa_change = self.kappa / before
 
     def _measure_layers(
         self, module_g: dict[str, float], module_err: dict[str, float], g_sq: float
@@ -119,6 +122,13 @@ class ModelCorrections:
         self._metrics["layer_budget_use"] = math.sqrt(use)  # worst ‖ĝ_m − g_m‖ / (e_m‖g_m‖)
         if self._predicted is None or not needs:
             return  # the settings in force were not allocated this step (first step)
+        if self.codec == "quant":
+            # κ has just tightened every budget of the next allocation by 1/change: what
+            # is left for the per-layer corrections is each module's miss beyond the whole
+            # model's (counting it twice put a quarter of ResNet-50's bytes at 32 bits)
+            change = max(getattr(self, "_kappa_change", 1.0), 1.0)
+            needs = {m: r / change for m, r in needs.items()}
+            through_delta = {m: r / change for m, r in through_delta.items()}
         # Per scope: the δ part of its over-budget modules (one whose own input explains
         # its error lets λ fall), else the room its modules leave.
         over: dict[str, float] = {}
