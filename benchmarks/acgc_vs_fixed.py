@@ -11,6 +11,11 @@ acgc's calibration-step errors (its promise), κ, and the calibration's cost.
 Prints one JSON line.
 
     python -m benchmarks.acgc_vs_fixed --quick [--models resnet bert gnn] [--plot PNG]
+    python -m benchmarks.acgc_vs_fixed [--cases resnet50_imagenet bert_base gcn_256]
+
+Full mode measures the recipes at their default sizes and, with ``--cases``, the size
+presets of the memory and speed benchmarks (default: their one case per family; generated
+inputs, as there).
 
 ``--plot`` draws the trade-off (ratio vs measured gradient error, one curve per policy,
 one panel per model), e.g. ``docs/acgc_vs_fixed.png``.
@@ -24,16 +29,19 @@ from typing import Any
 
 import torch
 
+from benchmarks._cases import CASES, DEFAULT_CASES
 from benchmarks._harness import (
     MEASURED_STEP,
     MODELS,
     POLICIES,
     add_common_arguments,
+    build_case,
     build_recipe,
     count_saved,
     emit,
     machine,
     make_runner,
+    progress,
     resolve_device,
     setup_threads,
 )
@@ -99,9 +107,11 @@ def measure(
         runner.close()
 
 
-def compare_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
+def compare_model(name: str, args: argparse.Namespace, case: bool = False) -> dict[str, Any]:
+    """The settings and acgc on recipe ``name`` (or size-preset case ``name``)."""
     device = resolve_device(args.device)
-    recipe = build_recipe(name, args.quick, device)
+    build = build_case if case else build_recipe
+    recipe = build(name, args.quick, device)
     plain = count_saved(recipe, recipe.module)
     rows: dict[str, Any] = {}
     for config, spec in BASELINES.items():
@@ -158,17 +168,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     add_common_arguments(parser)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument(
+        "--cases",
+        nargs="*",
+        default=None,
+        choices=list(CASES["full"]),
+        help="full mode: size presets measured too (default: one per family)",
+    )
     parser.add_argument("--codec", default=None, help="acgc's codec (default: its own)")
     parser.add_argument("--plot", default=None, help="write the trade-off plot here (PNG)")
     args = parser.parse_args(argv)
     setup_threads(args)
     args.acgc_options = {"codec": args.codec} if args.codec else {}
     torch.manual_seed(0)
+    cases = [] if args.quick else list(DEFAULT_CASES["full"] if args.cases is None else args.cases)
+    models = {name: compare_model(name, args) for name in args.models}
+    for name in progress(cases, "size presets"):
+        models[name] = compare_model(name, args, case=True)
     result = {
         "benchmark": "acgc_vs_fixed",
         "mode": "quick" if args.quick else "full",
         "machine": machine(resolve_device(args.device)),
-        "models": {name: compare_model(name, args) for name in args.models},
+        "models": models,
     }
     emit(result)
     if args.plot:

@@ -8,7 +8,8 @@ wrote (one line per benchmark and mode, with the machine, commit and date). This
   configuration, the Pareto front), ``docs/policy_error.png`` (activation ratio vs
   measured gradient error per policy), ``docs/timeline.png`` (memory during one step,
   plain vs compressed), ``docs/memory_sites.png`` (acgc's bytes per saved-tensor site),
-  ``docs/tradeoff.png`` and ``docs/bound_trajectory.png`` (acgc over e and over a run);
+  ``docs/tradeoff.png`` and ``docs/bound_trajectory.png`` (acgc over e and over a run),
+  ``docs/acgc_vs_fixed.png`` (ratio vs measured error: fixed settings, gact, acgc);
 - replaces what is between ``<!-- results:start -->`` and ``<!-- results:end -->`` in
   README.md with :func:`render`: the tables, each labelled with its mode, the machine
   and command, full-size figures beside the quick ones, and the project's bars.
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import _plots
+from benchmarks._acgc_tables import acgc_vs_fixed_bars, acgc_vs_fixed_table
 from benchmarks._codec_tables import codec_bars, codecs_table
 from benchmarks._tables import (
     accuracy_table,
@@ -46,7 +48,7 @@ README_PATH = ROOT / "README.md"
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ROOT / "docs"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
-BENCHMARKS = ("memory", "speed", "accuracy", "batch", "tradeoff", "codecs")
+BENCHMARKS = ("memory", "speed", "accuracy", "batch", "tradeoff", "codecs", "acgc_vs_fixed")
 MODES = ("quick", "full")
 
 Results = dict[str, dict[str, Any]]
@@ -62,7 +64,15 @@ PLOTS: list[tuple[str, tuple[str, ...], Callable[[Results, Path], Path | None]]]
     ("memory_sites.png", ("memory",), lambda r, p: _plots.plot_sites(r["memory"], p)),
     ("tradeoff.png", ("tradeoff",), lambda r, p: _plots.plot_tradeoff(r["tradeoff"], p)),
     ("bound_trajectory.png", ("tradeoff",), lambda r, p: _plots.plot_trajectory(r["tradeoff"], p)),
+    ("acgc_vs_fixed.png", ("acgc_vs_fixed",), lambda r, p: _plot_acgc_vs_fixed(r, p)),
 ]
+
+
+def _plot_acgc_vs_fixed(results: Results, path: Path) -> Path:
+    from benchmarks.acgc_vs_fixed import plot
+
+    plot(results["acgc_vs_fixed"], str(path))
+    return path
 
 
 # ----------------------------------------------------------------------------- loading
@@ -192,6 +202,17 @@ def render(results: Path = RESULTS, mode: str = "auto") -> str:
         picked.get("tradeoff"),
         tradeoff_table(picked.get("tradeoff")),
     )
+    fixed_runs = {
+        m: everything[m]["acgc_vs_fixed"]
+        for m in ("full", "quick")
+        if "acgc_vs_fixed" in everything[m]
+    }
+    lines += _section(
+        "acgc at each fixed setting's own gradient error (one measured step after "
+        "the calibration steps, exact gradient of the same batch; `benchmarks/acgc_vs_fixed.py`)",
+        None,
+        acgc_vs_fixed_table(fixed_runs),
+    )
     lines += _section(
         "Codec speed: encode and decode as a multiple of `x.clone()` of the same tensor",
         picked.get("codecs"),
@@ -199,7 +220,8 @@ def render(results: Path = RESULTS, mode: str = "auto") -> str:
     )
     met, short = bars(picked)
     codec_met, codec_short = codec_bars(picked.get("codecs"))
-    met, short = met + codec_met, short + codec_short
+    fixed_met, fixed_short = acgc_vs_fixed_bars(fixed_runs)
+    met, short = met + codec_met + fixed_met, short + codec_short + fixed_short
     lines += [f"**Where we fall short** (the project's bars, {mode} mode):", ""]
     lines += [f"- not met: {s}" for s in short] or ["- nothing: every bar is met"]
     lines += [f"- met: {s}" for s in met]

@@ -28,7 +28,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-BENCHMARKS = ("memory", "speed", "accuracy", "batch", "tradeoff", "codecs")
+BENCHMARKS = ("memory", "speed", "accuracy", "batch", "tradeoff", "codecs", "acgc_vs_fixed")
 
 
 def last_json_line(text: str) -> dict[str, Any]:

@@ -110,3 +110,22 @@ def test_peak_note_names_the_gradients_floor() -> None:
     memory["models"]["bert"]["grad_mb"] = 417.6
     (note,) = peak_notes(memory)
     assert "the parameter gradients alone take 418 MB of plain's 477 MB peak" in note
+
+
+def test_acgc_at_fixed_settings_errors_is_a_bar(tmp_path: Path) -> None:
+    """The acgc_vs_fixed line fills its table and one bar per mode: not met while a
+    setting's share of the ratio is under 95% or acgc measured over the error."""
+    results = tmp_path / "results"
+    shutil.copytree(RESULTS, results)
+    line = json.loads(json.dumps(load_all(results)["quick"]["acgc_vs_fixed"]))
+    for info in line["models"].values():
+        for key in ("quant2", "quant4", "gact"):
+            info["results"][key]["acgc_at_its_error"].update(ratio_share=0.97, within=True)
+    store(line, results)
+    assert "- met: acgc at each fixed setting's own error (quick mode)" in render(results)
+    first = next(iter(line["models"].values()))["results"]["quant4"]["acgc_at_its_error"]
+    first["within"] = False
+    store(line, results)
+    text = render(results)
+    assert "- not met: acgc at each fixed setting's own error (quick mode)" in text
+    assert "over its error" in text

@@ -1,0 +1,87 @@
+"""README's table and bars of ``benchmarks/acgc_vs_fixed.py``: acgc with ``gradient_error``
+set to each fixed setting's measured error, beside that setting (issue 13's bar: within
+the error, at >= 95% of the setting's ratio), quick and full mode side by side."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["RATIO_SHARE_BAR", "acgc_vs_fixed_bars", "acgc_vs_fixed_table"]
+
+RATIO_SHARE_BAR = 0.95  # acgc at a fixed setting's error keeps this share of its ratio
+SETTINGS = {"quant2": "fixed quant 2-bit", "quant4": "fixed quant 4-bit", "gact": "gact"}
+
+
+def _rows(result: dict[str, Any]) -> list[tuple[str, str, dict[str, Any], dict[str, Any]]]:
+    """(model description, setting, its measurement, acgc's at its error) per setting."""
+    rows = []
+    for info in result["models"].values():
+        for key, label in SETTINGS.items():
+            entry = info["results"].get(key)
+            if entry:
+                rows.append(
+                    (info["description"], label, entry["baseline"], entry["acgc_at_its_error"])
+                )
+    return rows
+
+
+def acgc_vs_fixed_table(runs: dict[str, dict[str, Any]]) -> list[str]:
+    """One row per mode, model and fixed setting; then acgc at its default per model.
+
+    Example:
+        >>> run = {"models": {"m": {"description": "M", "results": {
+        ...     "quant2": {"baseline": {"grad_error": 0.8, "ratio": 14.2},
+        ...                "acgc_at_its_error": {"grad_error": 0.4, "ratio": 11.3,
+        ...                                      "ratio_share": 0.795, "within": True,
+        ...                                      "calib_errors": [0.01, 0.3]}},
+        ...     "acgc_default": {"grad_error": 0.02, "ratio": 5.1, "within": True}}}}}
+        >>> acgc_vs_fixed_table({"full": run})[2].split(" | ")[3:]
+        ['0.800', '14.2x', '0.400 (calibrations ≤ 0.300)', '11.3x', '80%', 'yes |']
+    """
+    if not runs:
+        return ["No results: run `python -m benchmarks.run_all --only acgc_vs_fixed`."]
+    lines = [
+        "| mode | model | setting | its error | its ratio | acgc at that error: measured "
+        "| acgc's ratio | share of the setting's ratio | within |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for mode, result in runs.items():
+        for model, label, base, acgc in _rows(result):
+            calib = acgc.get("calib_errors") or [0.0]
+            lines.append(
+                f"| {mode} | {model} | {label} | {base['grad_error']:.3f} | {base['ratio']:.1f}x "
+                f"| {acgc['grad_error']:.3f} (calibrations ≤ {max(calib):.3f}) "
+                f"| {acgc['ratio']:.1f}x | {100 * acgc['ratio_share']:.0f}% "
+                f"| {'yes' if acgc['within'] else 'no'} |"
+            )
+        for info in result["models"].values():
+            d = info["results"].get("acgc_default")
+            if d:
+                target = d.get("error_target", 0.05)
+                lines.append(
+                    f"| {mode} | {info['description']} | acgc default (e={target:g}) | – | – "
+                    f"| {d['grad_error']:.3f} | {d['ratio']:.1f}x | – "
+                    f"| {'yes' if d['within'] else 'no'} |"
+                )
+    return lines
+
+
+def acgc_vs_fixed_bars(runs: dict[str, dict[str, Any]]) -> tuple[list[str], list[str]]:
+    """(met, not met): per mode, whether acgc at every setting's error measured within it
+    and kept >= 95% of its ratio; the worst setting is named."""
+    met: list[str] = []
+    short: list[str] = []
+    for mode, result in runs.items():
+        rows = _rows(result)
+        if not rows:
+            continue
+        worst = min(rows, key=lambda r: r[3]["ratio_share"] if r[3]["within"] else -1.0)
+        ok = all(a["within"] and a["ratio_share"] >= RATIO_SHARE_BAR for *_, a in rows)
+        model, label, _, acgc = worst
+        (met if ok else short).append(
+            f"acgc at each fixed setting's own error ({mode} mode): worst {label} on {model}, "
+            f"{100 * acgc['ratio_share']:.0f}% of its ratio, "
+            f"{'within' if acgc['within'] else 'over'} its error "
+            f"(bar: within, ≥ {100 * RATIO_SHARE_BAR:.0f}%)"
+        )
+    return met, short
