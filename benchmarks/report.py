@@ -127,8 +127,7 @@ def sweep_section(results: Path = RESULTS) -> list[str]:
     runs = read_runs(path) if path.exists() else []
     if not runs:
         return []
-    commits = ", ".join(dict.fromkeys(r.get("commit", "unknown") for r in runs))
-    label = f"commit {commits}, {machine_line(runs[-1]['machine'])}"
+    label = f"the commit of each row's runs in its last column, {machine_line(runs[-1]['machine'])}"
     return _section(
         "Paired-seed accuracy sweep: final validation loss, compressed minus plain on the "
         f"same seed, against plain's seed-to-seed spread ({label})",

@@ -192,6 +192,7 @@ def summarize(runs: Iterable[dict[str, Any]], plain: str = PLAIN) -> dict[str, A
                 "ratio_mean": round(statistics.fmean(mine[s]["ratio"] for s in seeds), 3),
                 "fit_seconds_mean": round(fit, 1),
                 "fit_time_vs_plain": round(fit / plain_time, 2),
+                "commits": sorted({mine[s].get("commit", "unknown") for s in seeds}),
             }
         out[recipe] = rows
     return out
@@ -203,14 +204,15 @@ def format_table(summary: dict[str, Any]) -> str:
     Example:
         >>> row = {"val_loss_mean": 2.1, "val_acc_mean": 0.4, "val_loss_diff_mean": 0.05,
         ...        "val_loss_diff_rel": 0.024, "plain_spread": 0.2, "within_spread": True,
-        ...        "ratio_mean": 8.0, "fit_time_vs_plain": 1.5, "seeds": [0, 1]}
+        ...        "ratio_mean": 8.0, "fit_time_vs_plain": 1.5, "seeds": [0, 1],
+        ...        "commits": ["abc1234"]}
         >>> print(format_table({"r": {"compression=x": row}}).splitlines()[2])
-        | r | x | 2 | 2.1000 | +0.0500 (+2.4%) | 0.2000 | yes | 8.00x | 0.400 | 1.50x |
+        | r | x | 2 | 2.1000 | +0.0500 (+2.4%) | 0.2000 | yes | 8.00x | 0.400 | 1.50x | abc1234 |
     """
     lines = [
         "| recipe | configuration | seeds | val loss | paired diff vs plain | plain spread "
-        "| within | ratio | val acc | fit time vs plain |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| within | ratio | val acc | fit time vs plain | commit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for recipe, rows in summary.items():
         for config, r in rows.items():
@@ -220,7 +222,7 @@ def format_table(summary: dict[str, Any]) -> str:
                 f"| {r['val_loss_diff_mean']:+.4f} ({100 * r['val_loss_diff_rel']:+.1f}%) "
                 f"| {r['plain_spread']:.4f} | {'yes' if r['within_spread'] else 'no'} "
                 f"| {r['ratio_mean']:.2f}x | {r['val_acc_mean']:.3f} "
-                f"| {r['fit_time_vs_plain']:.2f}x |"
+                f"| {r['fit_time_vs_plain']:.2f}x | {', '.join(r.get('commits', ['unknown']))} |"
             )
     return "\n".join(lines)
 
