@@ -65,10 +65,10 @@ def _layer_reading(kappa_reading: float) -> ACGCPolicy:
     policy._predicted_own = {"enc.0.attn.q": 2 * budget, "enc.1.attn.q": 2 * budget}
     err_sq = 0.001
     policy._predicted = err_sq / kappa_reading
-    policy._measure(g_sq=2.0, err_sq=err_sq)
+    change = policy._measure(g_sq=2.0, err_sq=err_sq)
     module_g = {"enc.0.attn.q": 1.0, "enc.1.attn.q": 1.0}
     module_err = {"enc.0.attn.q": 4 * budget, "enc.1.attn.q": 40 * budget}
-    policy._measure_layers(module_g, module_err, g_sq=2.0)
+    policy._measure_layers(module_g, module_err, g_sq=2.0, kappa_change=change)
     return policy
 
 

@@ -32,9 +32,9 @@ most 2x per reading, as the model's error differs between widths) and jumps at o
 the latest reading when a measurement exceeds e; until the first reading, the allocation
 aims at ``first_aim`` (1/16) of the budget, as κ's starting value is a guess. With
 ``bounded`` it tightens at once and loosens at most 2x per calibration (its eb²/3 is a
-loose upper bound). A measurement
-above e is logged as ``tightened`` = 1. With ``verify=False`` the compressed pass's
-statistics set the following steps' settings and κ keeps its value.
+loose upper bound). A measurement above e is logged as ``tightened`` = 1. With
+``verify=False`` the compressed pass's statistics set the following steps' settings and
+κ keeps its value.
 
 Noise-relative budget (``noise_ratio`` ρ): see :mod:`lightning_acgc.policies.acgc_noise`.
 
@@ -291,8 +291,8 @@ class ACGCPolicy(ACGCState, NoiseBudget, ScopeFloors, ModelCorrections, Calibrat
                 k: dataclasses.replace(r) for k, r in self.engine.stats.sites.items()
             }
         if self._exact is not None and g_sq > 0:
-            self._measure(g_sq, err_sq)
-            self._measure_layers(module_g, module_err, g_sq)
+            change = self._measure(g_sq, err_sq)
+            self._measure_layers(module_g, module_err, g_sq, change)
         elif self._exact is None and g_sq > 0:
             # cheap mode: settings for the next steps (module_g is the compressed gradient's)
             self._calibrate(grad_sq, g_sq, self._weight_ops(module_g))

@@ -71,15 +71,15 @@ class ModelCorrections:
         """μ_m: the extra tightening of weight op ``module``'s own input."""
         return max(self._own_readings.get(module, ()), default=1.0)
 
-    def _measure(self, g_sq: float, err_sq: float) -> None:
-        """Log the measured error; compare it with the model's prediction for the settings."""
+    def _measure(self, g_sq: float, err_sq: float) -> float:
+        """Log the measured error; compare it with the model's prediction for the settings.
+        Returns κ's change (new / old; 1 where nothing was predicted)."""
         ratio = math.sqrt(err_sq / g_sq)
         e = self.error_target
         self._metrics["grad_error"] = ratio
         self._metrics["tightened"] = float(ratio > e)
-        self._kappa_change = 1.0
         if self._predicted is None or self._predicted <= 0:
-            return
+            return 1.0
         before = self.kappa
         reading = max(err_sq / self._predicted, 1e-3)
         self._readings.append(reading)
@@ -93,10 +93,14 @@ class ModelCorrections:
             # Tighten at once; loosen at most 2x in variance per calibration: eb²/3 is a
             # loose upper bound, least reliable far from where it was last checked.
             self.kappa = max(max(self._readings), self.kappa / self.max_loosening)
-        self._kappa_change = self.kappa / before
+        return self.kappa / before
 
     def _measure_layers(
-        self, module_g: dict[str, float], module_err: dict[str, float], g_sq: float
+        self,
+        module_g: dict[str, float],
+        module_err: dict[str, float],
+        g_sq: float,
+        kappa_change: float = 1.0,
     ) -> None:
         """Per-layer check. A module over its budget target · e²‖g_m‖² by a factor r
         tightens, by r, both possible sources: its own input (μ_m, weight ops) and the
@@ -123,10 +127,11 @@ class ModelCorrections:
         if self._predicted is None or not needs:
             return  # the settings in force were not allocated this step (first step)
         if self.codec == "quant":
-            # κ has just tightened every budget of the next allocation by 1/change: what
-            # is left for the per-layer corrections is each module's miss beyond the whole
-            # model's (counting it twice put a quarter of ResNet-50's bytes at 32 bits)
-            change = max(getattr(self, "_kappa_change", 1.0), 1.0)
+            # κ has just tightened every budget of the next allocation by 1/change
+            # (``kappa_change``, from :meth:`_measure`): what is left for the per-layer
+            # corrections is each module's miss beyond the whole model's (counting it
+            # twice put a quarter of ResNet-50's bytes at 32 bits)
+            change = max(kappa_change, 1.0)
             needs = {m: r / change for m, r in needs.items()}
             through_delta = {m: r / change for m, r in through_delta.items()}
         # Per scope: the δ part of its over-budget modules (one whose own input explains
