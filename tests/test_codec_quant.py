@@ -207,6 +207,8 @@ _ADVERSARIAL = {
     "zero_dim": torch.tensor(-2.5),
     "non_contiguous": torch.randn(40, 33).relu().t(),
     "tiny_range": torch.tensor([1.0, 1.0 + 2**-23, 1.0 + 2**-22] * 100),
+    # zero-kept groups whose step is 0: the sign of a zero scale marks them
+    "one_value_among_zeros": torch.tensor([0.0, 0.0, 2.5, 0.0] * 64),
 }
 
 

@@ -116,7 +116,12 @@ def _quant_encode_kernel(
         tl.store(codes_ptr + bidx, packed.to(tl.uint8), mask=bok)
 
     tl.store(lo_ptr + rows, lo, mask=row_ok)
-    tl.store(scale_ptr + rows, tl.where(zk, -step, step), mask=row_ok)
+    # The sign bit marks zero-kept groups, also where the step is 0 (one distinct
+    # positive among zeros): set as a bit, since the GPU compiler may fold a negation
+    # of +0.0 in a select into +0.0 (seen on sm_90 with Triton 3.6).
+    sign = zk.to(tl.int32) << 31
+    scale = (step.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    tl.store(scale_ptr + rows, scale, mask=row_ok)
     n_bad = tl.sum(bad.to(tl.int32), axis=1)
     status = tl.where(n_bad > 0, 2, tl.where(wide, 1, 0))
     tl.store(status_ptr + rows, status.to(tl.uint8), mask=row_ok)
