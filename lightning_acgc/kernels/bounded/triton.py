@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 import triton
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
 from lightning_acgc.kernels.bounded.plan import (
     RAW_WIDTH,
@@ -41,6 +41,7 @@ from lightning_acgc.kernels.common.triton_utils import (
     check_contiguous,
     check_device,
     check_dtype,
+    eager_or_op,
     interpreting,
     next_power_of_2,
     rows_per_program,
@@ -68,7 +69,7 @@ def _bits_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.int16 if dtype == torch.bfloat16 else dtype
 
 
-@triton_op("lightning_acgc::bounded_stats_core", mutates_args=())
+@eager_or_op("lightning_acgc::bounded_stats_core")
 def _stats_core(
     x: torch.Tensor, group_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -227,7 +228,7 @@ def bounded_encode_triton(
     }
 
 
-@triton_op("lightning_acgc::bounded_decode_core", mutates_args=())
+@eager_or_op("lightning_acgc::bounded_decode_core")
 def _decode_core(
     codes: torch.Tensor,
     lo: torch.Tensor,

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 import triton
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
 from lightning_acgc.kernels.common.nonfinite import restore_exceptions
 from lightning_acgc.kernels.common.triton_utils import (
@@ -40,6 +40,7 @@ from lightning_acgc.kernels.common.triton_utils import (
     check_contiguous,
     check_device,
     check_dtype,
+    eager_or_op,
     next_power_of_2,
 )
 from lightning_acgc.kernels.division.reference import (
@@ -90,7 +91,7 @@ def _canonical(shape: Sequence[int]) -> tuple[int, int, int, int, bool] | None:
     return None
 
 
-@triton_op("lightning_acgc::division_pool_core", mutates_args=())
+@eager_or_op("lightning_acgc::division_pool_core")
 def _pool_core(src: torch.Tensor, outer: int, length: int, inner: int, blk: int) -> torch.Tensor:
     """Average ``blk``-tiles of the middle axis of ``src`` viewed as (outer, length, inner)."""
     lo_len = triton.cdiv(length, blk)
@@ -128,7 +129,7 @@ def _lowpass(x: torch.Tensor, blk: int, canon: tuple[int, int, int, int, bool]) 
     return flat.to(torch.float32, copy=True) if out is flat else out  # nothing pooled
 
 
-@triton_op("lightning_acgc::division_tile_core", mutates_args=())
+@eager_or_op("lightning_acgc::division_tile_core")
 def _tile_core(
     a: torch.Tensor,
     low: torch.Tensor,

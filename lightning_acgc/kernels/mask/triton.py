@@ -8,13 +8,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
 from lightning_acgc.kernels.common.triton_utils import (
     LAUNCH_OPTIONS,
     check_contiguous,
     check_device,
     check_dtype,
+    eager_or_op,
     rows_per_program,
 )
 
@@ -61,7 +62,7 @@ def _mask_unpack_kernel(
     tl.store(out_ptr + idx, flags.to(tl.uint8), mask=ok)
 
 
-@triton_op("lightning_acgc::mask_pack_core", mutates_args=())
+@eager_or_op("lightning_acgc::mask_pack_core")
 def _mask_pack_core(mask_u8: torch.Tensor) -> torch.Tensor:
     """One launch of the pack kernel on the mask's bytes (checked by the caller)."""
     numel = mask_u8.numel()
@@ -80,7 +81,7 @@ def _mask_pack_core(mask_u8: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-@triton_op("lightning_acgc::mask_unpack_core", mutates_args=())
+@eager_or_op("lightning_acgc::mask_unpack_core")
 def _mask_unpack_core(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """One launch of the unpack kernel: ``numel`` 0/1 bytes (caller checked the sizes)."""
     out = torch.empty(numel, dtype=torch.uint8, device=packed.device)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 import triton
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
 from lightning_acgc.kernels.common.groups import group_view
 from lightning_acgc.kernels.common.nonfinite import fill_nonfinite_rows, restore_exceptions
@@ -38,6 +38,7 @@ from lightning_acgc.kernels.common.triton_utils import (
     check_contiguous,
     check_device,
     check_dtype,
+    eager_or_op,
     interpreting,
     next_power_of_2,
     philox_seed,
@@ -70,7 +71,7 @@ def _check_config(bits: int, group_size: int) -> None:
         raise ValueError(f"group_size={group_size!r} must be a positive multiple of 8")
 
 
-@triton_op("lightning_acgc::quant_encode_core", mutates_args=())
+@eager_or_op("lightning_acgc::quant_encode_core")
 def _quant_encode_core(
     x: torch.Tensor, noise: torch.Tensor | None, bits: int, group_size: int, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -106,7 +107,7 @@ def _quant_encode_core(
     return codes, lo, scale, status
 
 
-@triton_op("lightning_acgc::quant_decode_core", mutates_args=())
+@eager_or_op("lightning_acgc::quant_decode_core")
 def _quant_decode_core(
     codes: torch.Tensor,
     lo: torch.Tensor,
