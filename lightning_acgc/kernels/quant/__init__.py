@@ -40,8 +40,13 @@ def quant_encode(
     backend: str = "auto",
     meta: str = "fp32",
 ) -> dict[str, torch.Tensor]:
-    """Encode a non-empty floating tensor (the Triton kernel writes float32 metadata only;
-    ``meta="bf16"`` on CUDA runs the torch reference there).
+    """Encode a non-empty floating tensor.
+
+    The Triton kernel writes float32 metadata only: with ``backend="auto"`` a CUDA
+    tensor asked for ``meta="bf16"`` gets float32 metadata (16 bits a group more, and
+    steps exact instead of rounded up to bfloat16, so never a larger error), since the
+    torch reference that writes bfloat16 runs many times slower there.
+    ``backend="torch"`` keeps ``meta`` as asked on every device.
 
     Example:
         >>> x = torch.arange(8.0)
@@ -54,6 +59,8 @@ def quant_encode(
             f"meta={meta!r} needs backend 'auto', 'torch' or 'cpu': the Triton "
             "kernel writes fp32 metadata only"
         )
+    if meta != "fp32" and x.device.type == "cuda" and backend == "auto":
+        meta = "fp32"
     if meta != "fp32" and x.device.type != "cpu":
         backend = "torch"
     fn = route(x, backend, quant_encode_ref, f"{_TRITON}:quant_encode_triton", quant_encode_cpu)
