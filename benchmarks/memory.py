@@ -138,10 +138,25 @@ def _context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
+def _in_process(options: dict[str, Any]) -> dict[str, Any]:
+    """:func:`child` in this process, for a GPU: CUDA's peak counter is exact per
+    process, and a child forked from the server cannot initialize CUDA (the parent's
+    RSS figures then mean nothing and are left out)."""
+    try:
+        result = child(argparse.Namespace(**options))
+    except Exception as err:  # reported in the JSON, the other configurations go on
+        result = {"error": f"{type(err).__name__}: {err}"}
+    for key in ("rss_before_mb", "rss_peak_mb", "rss_step_peak_mb", "peak_method"):
+        result.pop(key, None)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
 def run_child(
     args: argparse.Namespace, model: str, config: str, state: Path | None
 ) -> dict[str, Any]:
-    """:func:`child` in a process of its own."""
+    """:func:`child` in a process of its own (on a GPU: in this one)."""
     options = {
         "device": args.device,
         "threads": args.threads,
@@ -151,6 +166,8 @@ def run_child(
         "config": config,
         "state": None if state is None else str(state),
     }
+    if resolve_device(args.device).type == "cuda":
+        return _in_process(options)
     ctx = _context()
     receive, send = ctx.Pipe(duplex=False)
     process = ctx.Process(target=_child_main, args=(send, options))
