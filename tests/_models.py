@@ -120,5 +120,5 @@ ARCHITECTURES: dict[str, tuple[Callable[[], nn.Module], Callable[[], object]]] =
 def loss_of(model: nn.Module, inputs: object) -> torch.Tensor:
     """A loss whose gradient reaches every parameter (fixed random targets)."""
     out = model(inputs)
-    target = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    target = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.device)
     return ((out - target) ** 2).mean()
