@@ -1,6 +1,7 @@
 """Throughput of every codec's encode and decode kernels next to a plain copy.
 
-Prints one JSON line per codec: encode and decode GB/s counting bytes read plus bytes
+Prints one JSON line per codec, then one line that holds them all with the machine and
+commit (what ``run_all`` stores): encode and decode GB/s counting bytes read plus bytes
 written (input + payload for encode, payload + output for decode), for the Triton path
 (CUDA only) and the torch reference, and the GB/s of a device-to-device copy of the same
 tensor measured in the same run (read + write: the bandwidth ceiling). On CPU only the
@@ -144,7 +145,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--size", type=int, default=1 << 22, help="elements (NCHW, 64x32x32)")
     parser.add_argument("--repeat", type=int, default=10, help="timed calls (median)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
+    parser.add_argument("--quick", action="store_true", help="a 1M-element tensor (smoke test)")
+    parser.add_argument("--full", action="store_true", help="--size as given (the default)")
     parser.add_argument("--codecs", nargs="+", choices=_CODECS, default=list(_CODECS))
     parser.add_argument("--bits", type=int, default=2, help="quant bits / DIVISION residual bits")
     parser.add_argument("--group-size", type=int, default=256)
@@ -157,7 +160,29 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point."""
-    run(_parser().parse_args(argv))
+    from benchmarks._machine import emit, machine
+
+    args = _parser().parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.quick:
+        args.size = min(args.size, 1 << 20)
+    records = run(args)
+    emit(
+        {
+            "benchmark": "kernels",
+            "mode": "quick" if args.quick else "full",
+            "machine": machine(torch.device(args.device)),
+            "settings": {
+                "size": args.size,
+                "dtype": args.dtype,
+                "bits": args.bits,
+                "relu": args.relu,
+                "repeat": args.repeat,
+            },
+            "runs": records,
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from typing import Any
 from benchmarks import _plots
 from benchmarks._acgc_tables import acgc_vs_fixed_bars, acgc_vs_fixed_table
 from benchmarks._codec_tables import codec_bars, codecs_table
+from benchmarks._gpu_tables import gpu_section, is_gpu_line
 from benchmarks._tables import (
     accuracy_table,
     bars,
@@ -77,7 +78,7 @@ def _plot_acgc_vs_fixed(results: Results, path: Path) -> Path:
 
 # ----------------------------------------------------------------------------- loading
 def load_all(results: Path = RESULTS) -> dict[str, Results]:
-    """Per mode, per benchmark: the last result line of that mode."""
+    """Per mode, per benchmark: the last CPU result line of that mode."""
     out: dict[str, Results] = {mode: {} for mode in MODES}
     for name in BENCHMARKS:
         path = results / f"{name}.jsonl"
@@ -85,6 +86,8 @@ def load_all(results: Path = RESULTS) -> dict[str, Results]:
         for line in text.splitlines():
             if line.strip():
                 row = json.loads(line)
+                if is_gpu_line(row):  # the GPU section reads these
+                    continue
                 out.setdefault(row.get("mode", "quick"), {})[name] = row
     return out
 
@@ -235,7 +238,10 @@ def render(results: Path = RESULTS, mode: str = "auto") -> str:
             "",
             f"Plots ({mode} mode): " + ", ".join(links) + " (see also `docs/benchmarks.md`).",
         ]
-    return "\n".join(lines)
+    gpu = gpu_section(results)
+    if gpu:
+        lines += ["", *gpu]
+    return "\n".join(lines).rstrip("\n")
 
 
 def readme_section(readme: Path) -> str:

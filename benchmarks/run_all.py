@@ -1,8 +1,10 @@
 """Run every benchmark and keep its JSON line in ``benchmarks/results/<name>.jsonl``.
 
 Each benchmark runs in a process of its own (``python -m benchmarks.<name>``), one after
-the other. A results file holds at most one line per mode (``quick``, ``full``): a new
-run replaces the line of its own mode and keeps the other. Every line carries the
+the other. A results file holds at most one line per mode (``quick``, ``full``) and
+device kind (CPU, GPU): a new run replaces the line of its own mode and device kind and
+keeps the others; README's main tables come from the CPU lines, a GPU section from the
+GPU lines. Every line carries the
 machine it was measured on (platform, CPU, core count, torch, threads, device, date),
 the command and its wall time. Then ``python -m benchmarks.report`` draws the plots and
 fills the table in README.md.
@@ -10,6 +12,7 @@ fills the table in README.md.
     python -m benchmarks.run_all --quick      # a few minutes on 2 CPU cores
     python -m benchmarks.run_all --full       # the size presets (the default); CUDA when available
     python -m benchmarks.run_all --full --only memory speed --device cuda --batch-size 64
+    python -m benchmarks.run_all --full --only kernels codecs --device cuda
 
 Full mode on 2 CPU cores: memory and speed (5 interleaved rounds) take about 35 minutes
 with each case's default batch (see ``benchmarks/_cases.py``).
@@ -29,6 +32,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 BENCHMARKS = ("memory", "speed", "accuracy", "batch", "tradeoff", "codecs", "acgc_vs_fixed")
+# Run only when asked (``--only kernels``): the Triton kernels' GB/s mean something on a GPU.
+EXTRA = ("kernels",)
 
 
 def last_json_line(text: str) -> dict[str, Any]:
@@ -50,11 +55,19 @@ def read_results(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def device_kind(result: dict[str, Any]) -> str:
+    """``cuda`` for a line measured on a GPU, else ``cpu``."""
+    device = str(result.get("machine", {}).get("device", "cpu"))
+    return "cuda" if device.startswith("cuda") else "cpu"
+
+
 def store(result: dict[str, Any], results: Path = RESULTS) -> Path:
-    """Write ``result`` to its benchmark's file, replacing the line of the same mode."""
+    """Write ``result`` to its benchmark's file, replacing the line of the same mode and
+    device kind (CPU and GPU lines of one mode are kept side by side)."""
     results.mkdir(parents=True, exist_ok=True)
     path = results / f"{result['benchmark']}.jsonl"
-    kept = [r for r in read_results(path) if r.get("mode") != result.get("mode")]
+    key = (result.get("mode"), device_kind(result))
+    kept = [r for r in read_results(path) if (r.get("mode"), device_kind(r)) != key]
     lines = [json.dumps(r) for r in [*kept, result]]
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -93,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
-    parser.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS))
+    parser.add_argument("--only", nargs="+", choices=BENCHMARKS + EXTRA, default=list(BENCHMARKS))
     args = parser.parse_args(argv)
     options = ["--device", args.device]
     options += ["--quick"] if args.quick else []

@@ -129,3 +129,36 @@ def test_acgc_at_fixed_settings_errors_is_a_bar(tmp_path: Path) -> None:
     text = render(results)
     assert "- not met: acgc at each fixed setting's own error (quick mode)" in text
     assert "over its error" in text
+
+
+def test_gpu_lines_are_stored_beside_cpu_lines_and_shown_apart(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    shutil.copytree(RESULTS, results)
+    cpu_memory = load_all(results)["full"]["memory"]
+    gpu = json.loads(json.dumps(cpu_memory))
+    gpu["machine"] = {**gpu["machine"], "device": "cuda", "gpu": "Test GPU"}
+    gpu["note"] = "a test line"
+    store(gpu, results)
+    lines = [json.loads(s) for s in (results / "memory.jsonl").read_text().splitlines()]
+    assert sum(r["mode"] == "full" for r in lines) == 2  # the CPU full line stays
+    assert load_all(results)["full"]["memory"]["machine"]["device"] == "cpu"
+    text = render(results)
+    gpu_part = text[text.index("### On a GPU") :]
+    assert "Test GPU" in gpu_part and "a test line" in gpu_part
+    store({**gpu, "note": "replaced"}, results)  # the same mode and device: replaced
+    assert "a test line" not in render(results)
+
+
+def test_kernels_table_names_copy_multiples() -> None:
+    from benchmarks._gpu_tables import kernels_table
+
+    run = {
+        "codec": "quant",
+        "copy_gbps": 2000.0,
+        "copy_ms": 0.1,
+        "triton": {"encode_gbps": 200.0, "decode_gbps": 100.0, "encode_ms": 0.5, "decode_ms": 1},
+        "torch": {"encode_gbps": 20.0, "decode_gbps": 90.0},
+    }
+    settings = {"size": 1024, "dtype": "float32", "bits": 2, "relu": True, "repeat": 3}
+    rows = kernels_table({"settings": settings, "runs": [run]})
+    assert rows[-1] == "| quant | 2000 | 200 (5.0) | 100 (10.0) | 20 | 90 |"
