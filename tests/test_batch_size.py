@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from _lightning_models import ProbePolicy, TinyCNN, TinyMLP, fit
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.memory import is_oom_error
 from torch import nn
@@ -20,6 +20,7 @@ from lightning_acgc.lightning.callback import ActivationCompression
 from lightning_acgc.lightning.memory import parse_memory, static_memory_bytes
 from lightning_acgc.lightning.strategy import ACGCStrategy
 from lightning_acgc.policies import build_policy
+from lightning_acgc.policies.fixed import FixedPolicy
 
 BUDGET = "256KiB"
 
@@ -289,3 +290,52 @@ def test_search_on_cpu_without_budget_refuses(tmp_path: Path) -> None:
 def test_finder_rejects_bad_bounds(options: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         CompressedBatchSizeFinder("binsearch", **options)
+
+
+class GrowsWhenTrainingStarts(FixedPolicy):
+    """quant 2-bit through the search, 8-bit from the first training step on: a policy
+    that keeps more bytes after the search than during it (as acgc's and comet's
+    recalibrations can)."""
+
+    name = "grows"
+
+    def __init__(self) -> None:
+        super().__init__(CodecSpec("quant", {"bits": 2}))
+        self.wide = CodecSpec("quant", {"bits": 8}).build()
+        self.grown = False
+
+    def codec_for(self, site, x):  # type: ignore[no-untyped-def]
+        return self.wide if self.grown else self.codec
+
+
+class _Grow(Callback):
+    def __init__(self, policy: GrowsWhenTrainingStarts) -> None:
+        self.policy = policy
+
+    def on_train_start(self, trainer: Trainer, pl_module: object) -> None:
+        self.policy.grown = True
+
+
+@pytest.mark.parametrize("headroom", [0.0, 0.75])
+def test_headroom_keeps_training_within_the_budget_when_the_policy_grows(
+    tmp_path: Path, headroom: float
+) -> None:
+    """8-bit keeps about 3.7x the bytes of 2-bit. Without headroom the size found fills
+    more than half the budget's activation room (twice it failed), so the first training
+    step goes over; with 75% headroom the trials had a quarter of the room."""
+    policy = GrowsWhenTrainingStarts()
+    finder = CompressedBatchSizeFinder(
+        "power", steps_per_trial=1, max_val=4096, compare_uncompressed=False, headroom=headroom
+    )
+    cb = ActivationCompression(
+        policy, scale_batch_size=finder, memory_budget=BUDGET, print_table=False
+    )
+    model = TinyCNN(batch_size=2, lr=0.01)
+    if headroom == 0.0:
+        with pytest.raises(MemoryBudgetError):
+            fit(model, [cb, _Grow(policy)], max_steps=2, default_root_dir=str(tmp_path))
+        return
+    fit(model, [cb, _Grow(policy)], max_steps=2, default_root_dir=str(tmp_path))
+    assert policy.grown and finder.compressed_batch_size is not None
+    assert model.batch_sizes_seen[-2:] == [finder.compressed_batch_size] * 2
+    assert cb.stats.peak_live_bytes + cb.engine.budget_base <= parse_memory(BUDGET)

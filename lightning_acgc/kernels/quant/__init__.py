@@ -43,7 +43,7 @@ def quant_encode(
     """Encode a non-empty floating tensor.
 
     The Triton kernel writes float32 metadata only: with ``backend="auto"`` a CUDA
-    tensor asked for ``meta="bf16"`` gets float32 metadata (16 bits a group more, and
+    tensor asked for ``meta="bf16"`` gets float32 metadata (32 bits a group more, and
     steps exact instead of rounded up to bfloat16, so never a larger error), since the
     torch reference that writes bfloat16 runs many times slower there.
     ``backend="torch"`` keeps ``meta`` as asked on every device.
