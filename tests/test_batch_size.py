@@ -339,3 +339,45 @@ def test_headroom_keeps_training_within_the_budget_when_the_policy_grows(
     assert policy.grown and finder.compressed_batch_size is not None
     assert model.batch_sizes_seen[-2:] == [finder.compressed_batch_size] * 2
     assert cb.stats.peak_live_bytes + cb.engine.budget_base <= parse_memory(BUDGET)
+
+
+class WiderOnCalibrationSteps(FixedPolicy):
+    """quant 2-bit, but 8-bit on its calibration steps (step 0): the first training step
+    keeps about 3.7x what the search's trials (which run no calibration) kept."""
+
+    name = "wider_on_calibration"
+
+    def __init__(self) -> None:
+        super().__init__(CodecSpec("quant", {"bits": 2}))
+        self.wide = CodecSpec("quant", {"bits": 8}).build()
+        self.calibrating = False
+
+    def begin_step(self, step: int) -> None:
+        self.calibrating = step == 0
+
+    def needs_exact_gradient(self, step: int) -> bool:
+        return step == 0
+
+    def end_step(self, step: int, model: object, reduce: object = None) -> None:
+        self.calibrating = False
+
+    def codec_for(self, site, x):  # type: ignore[no-untyped-def]
+        return self.wide if self.calibrating else self.codec
+
+
+def test_the_first_step_is_played_ahead_and_the_size_halved_until_it_fits(
+    tmp_path: Path,
+) -> None:
+    policy = WiderOnCalibrationSteps()
+    finder = CompressedBatchSizeFinder(
+        "power", steps_per_trial=1, max_val=4096, compare_uncompressed=False, headroom=0.0
+    )
+    cb = ActivationCompression(
+        policy, scale_batch_size=finder, memory_budget=BUDGET, print_table=False
+    )
+    model = TinyCNN(batch_size=2, lr=0.01)
+    fit(model, [cb], max_steps=2, default_root_dir=str(tmp_path))  # no MemoryBudgetError
+    found = finder.compressed_batch_size
+    assert found is not None and finder.first_step_halvings >= 1
+    assert model.batch_sizes_seen[-2:] == [found, found]
+    assert cb.stats.peak_live_bytes + cb.engine.budget_base <= parse_memory(BUDGET)

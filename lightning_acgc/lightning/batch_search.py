@@ -21,11 +21,16 @@ from lightning.pytorch.tuner import batch_size_scaling as _bss
 from lightning.pytorch.utilities.memory import garbage_collection_cuda, is_oom_error
 from lightning.pytorch.utilities.parsing import lightning_setattr
 
-__all__ = ["SearchResult", "TrialRunner", "dataset_length", "search_sizes"]
+__all__ = ["SearchResult", "TrialRunner", "dataset_length", "reset_dataloaders", "search_sizes"]
 
 _dump_params = getattr(_bss, "__scale_batch_dump_params")
 _reset_params = getattr(_bss, "__scale_batch_reset_params")
 _restore_params = getattr(_bss, "__scale_batch_restore_params")
+
+
+def reset_dataloaders(trainer: Trainer) -> None:
+    """Rebuild the trainer's dataloaders at the model's current batch size."""
+    _bss._reset_dataloaders(trainer)
 
 
 class SearchResult:

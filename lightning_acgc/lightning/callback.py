@@ -360,7 +360,13 @@ class ActivationCompression(Callback):
                 "search-manual",
                 "with manual optimization the batch-size search runs before any calibration",
             )
-        self.batch_size_finder.search(trainer, pl_module, self.engine)
+        first_step = None
+        if pl_module.automatic_optimization:
+
+            def first_step() -> None:
+                self._driver.calibration_step(trainer, pl_module, replay=True)
+
+        self.batch_size_finder.search(trainer, pl_module, self.engine, first_step)
 
     # -- checkpointing -------------------------------------------------------------
     @override

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import zlib
 from collections.abc import Callable
@@ -261,14 +262,24 @@ class CalibrationDriver:
             )
 
     # -- before the batch-size search ----------------------------------------------
-    def calibration_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def calibration_step(
+        self, trainer: Trainer, pl_module: LightningModule, *, replay: bool = False
+    ) -> None:
         """One calibration step on the first batch, with no optimizer step and no trace:
-        RNG, buffers and gradients are restored, the step counter too."""
+        RNG, buffers and gradients are restored, the step counter too.
+
+        With ``replay`` the step runs under the memory budget and the policy's state is
+        restored afterwards, so it is the fit's first step played ahead of time: an
+        out-of-memory error (or :class:`MemoryBudgetError`) here is one that step would
+        raise. Without it the budget is lifted (the search, not this step, finds what
+        fits) and the policy keeps what it learned."""
         assert self.engine is not None and self.cycle is not None
         engine, cycle = self.engine, self.cycle
         batch = first_train_batch(trainer, pl_module)
         step, budget = self.step, engine.memory_budget
-        engine.memory_budget = None  # the search, not this step, finds what fits
+        state = copy.deepcopy(self.policy.state_dict()) if replay else None
+        if not replay:
+            engine.memory_budget = None
         try:
             wants_exact = cycle.begin(trainer.global_step)
             if (wants_exact or self._wants_noise()) and self._exact_supported(trainer, pl_module):
@@ -295,6 +306,8 @@ class CalibrationDriver:
             self.step = step
             self._noise_step = None
             cycle.reset()  # the fit's first step calibrates afresh
+            if state is not None:
+                self.policy.load_state_dict(state)
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
