@@ -351,7 +351,8 @@ def test_calibration_step_before_the_batch_search_gets_the_halves(tmp_path) -> N
         ("end", 0),
         ("begin", 0),
     ]
-    assert policy.calls.count(("noise", params)) == 2  # and the fit's step 0 again
+    # then the fit's first step played ahead at the size found, and that step itself
+    assert policy.calls.count(("noise", params)) == 3
 
 
 def test_manual_optimization_computes_no_halves() -> None:

@@ -38,6 +38,7 @@ the optimizer step and other callbacks, and not at all during tuner trials.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -353,19 +354,15 @@ class ActivationCompression(Callback):
         if trainer.fast_dev_run:
             rank_zero_info("lightning_acgc: fast_dev_run, skipping the batch-size search")
             return
+        driver, first_step = self._driver, None
         if pl_module.automatic_optimization:
-            self._driver.calibration_step(trainer, pl_module)
+            driver.calibration_step(trainer, pl_module)
+            first_step = functools.partial(driver.calibration_step, trainer, pl_module, replay=True)
         else:
-            self._driver.warn_once(
+            driver.warn_once(
                 "search-manual",
                 "with manual optimization the batch-size search runs before any calibration",
             )
-        first_step = None
-        if pl_module.automatic_optimization:
-
-            def first_step() -> None:
-                self._driver.calibration_step(trainer, pl_module, replay=True)
-
         self.batch_size_finder.search(trainer, pl_module, self.engine, first_step)
 
     # -- checkpointing -------------------------------------------------------------
