@@ -78,7 +78,7 @@ def train_acgc(
             records.append(
                 {
                     "step": step,
-                    "loss": round(float(loss), 5),
+                    "loss": round(float(loss.detach()), 5),
                     "ratio": round(engine.stats.ratio, 3),
                     **{k: round(v, 6) for k, v in metrics.items() if k != "calib_ms"},
                 }
