@@ -126,3 +126,14 @@ def test_gpu_peak_memory_falls_with_compression() -> None:
     assert stats.ratio > 8
     freed = stats.saved_bytes - stats.packed_bytes
     assert compressed < plain - freed / 2, (compressed, plain, freed)
+
+
+def test_acgc_prices_the_fp32_metadata_that_cuda_writes() -> None:
+    from lightning_acgc.policies import build_policy
+
+    policy = build_policy("acgc")
+    policy.setup(ResidualCNN().cuda())
+    assert policy._meta_bits == 64  # bf16 asked, fp32 written by the Triton kernel
+    policy = build_policy("acgc")
+    policy.setup(ResidualCNN())
+    assert policy._meta_bits == 32

@@ -187,6 +187,7 @@ class ACGCPolicy(ACGCState, NoiseBudget, ScopeFloors, ModelCorrections, Calibrat
         self.config = config or CodecSpec(codec)
         super().__init__()
         self._meta = quant_meta_options() if codec == "quant" else {}
+        self._meta_bits = 32 if self._meta.get("meta") == "bf16" else 64  # per group
         self.bounds: dict[str, float] = {}
         self.site_bits: dict[str, int] = {}
         self._floors: dict[str, int] = {}  # quant: smallest width per tensor (acgc_floors)
@@ -310,6 +311,10 @@ class ACGCPolicy(ACGCState, NoiseBudget, ScopeFloors, ModelCorrections, Calibrat
 
     def setup(self, model: nn.Module) -> None:
         super().setup(model)
+        # the Triton kernel writes bf16-requested metadata as fp32 on CUDA (quant_encode)
+        on_cuda = any(p.is_cuda for p in model.parameters())
+        if self._meta.get("meta") == "bf16":
+            self._meta_bits = 64 if on_cuda and self.config.backend == "auto" else 32
         self._norm_params = [
             n
             for n, m in model.named_modules()
@@ -369,10 +374,8 @@ class ACGCPolicy(ACGCState, NoiseBudget, ScopeFloors, ModelCorrections, Calibrat
             self.bounds = bounded_bounds(sens, *args)
             return
         args = (layer_sq, g_sq, e_sq, self.tensor_lam, self._own_scale, self.layer_share)
-        meta_bits = 32 if self._meta.get("meta") == "bf16" else 64
-        widths = quant_widths(
-            sens, self._variances, *args, self._raw_bits, meta_bits / self.group_size, self._floors
-        )
+        meta = self._meta_bits / self.group_size
+        widths = quant_widths(sens, self._variances, *args, self._raw_bits, meta, self._floors)
         self.site_bits = {**self.site_bits, **widths}
 
     # -- reporting and state ---------------------------------------------------
