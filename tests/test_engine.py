@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_acgc import CodecSpec, EngineSettings, compress_activations
-from lightning_acgc.engine import MemoryBudgetError
+from lightning_acgc.engine import ActivationCompressor, MemoryBudgetError
 from tests._models import ResidualCNN, TransformerBlock, loss_of
 
 
@@ -241,3 +241,37 @@ def test_bad_arguments_raise_before_anything_runs(kwargs: dict, match: str) -> N
     with pytest.raises(ValueError, match=match), compress_activations(**kwargs):
         ran.append(1)
     assert not ran
+
+
+def test_offloaded_exact_pass_gives_the_same_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``offload_exact`` the exact pass's saved tensors go through
+    ``save_on_cpu`` (as after a batch raise on a GPU) and the gradient is unchanged."""
+    from lightning_acgc.engine.cycle import exact_gradients
+    from lightning_acgc.policies import build_policy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    x = torch.randn(32, 16)
+    engine = ActivationCompressor(build_policy("fixed"), model=model)
+    plain = exact_gradients(engine, model, lambda: model(x).square().mean())
+    packed: list[int] = []
+    real = torch.autograd.graph.save_on_cpu
+
+    class Spy(real):  # type: ignore[misc, valid-type]
+        def __init__(self, pin_memory: bool = False, device_type: str = "cuda") -> None:
+            super().__init__(pin_memory, device_type)
+            pack = self.pack_hook
+
+            def counting(t: torch.Tensor):  # type: ignore[no-untyped-def]
+                packed.append(t.numel())
+                return pack(t)
+
+            self.pack_hook = counting
+
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", Spy)
+    engine.offload_exact = True
+    offloaded = exact_gradients(engine, model, lambda: model(x).square().mean())
+    assert packed  # the pass saved through save_on_cpu
+    assert plain is not None and offloaded is not None
+    for name, g in plain.items():
+        assert torch.equal(offloaded[name], g), name

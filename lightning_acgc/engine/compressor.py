@@ -128,6 +128,11 @@ class ActivationCompressor:
             plus ``budget_base`` past it raises :class:`MemoryBudgetError`.
         budget_base: bytes counted against the budget besides activations (weights,
             gradients, optimizer state).
+
+    ``offload_exact`` (default ``False``; the batch-size search sets it on a GPU when it
+    raised the batch): the exact-gradient passes of calibration steps keep their saved
+    tensors in host memory, since they run uncompressed at a batch size that device
+    memory may only hold compressed.
     """
 
     def __init__(
@@ -151,6 +156,7 @@ class ActivationCompressor:
         self.strict = settings.strict
         self.memory_budget = memory_budget
         self.budget_base = budget_base
+        self.offload_exact = False
         self.packed_log: list[Packed] | None = [] if keep_packed else None
         self.step = 0
         self._mask_codec = MaskCodec(MaskConfig())

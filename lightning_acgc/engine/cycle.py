@@ -47,11 +47,16 @@ def exact_gradients(
     no trace: ``.grad`` untouched, random state and buffers restored
     (:func:`no_side_effects`), so the compressed pass that follows sees the same dropout
     masks and statistics. A parameter the loss does not reach gets zeros (every rank
-    has the same names). ``None`` when there is no differentiable loss."""
+    has the same names). ``None`` when there is no differentiable loss. With the
+    engine's ``offload_exact`` the pass's saved tensors wait in host memory
+    (``torch.autograd.graph.save_on_cpu``)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         return None
-    with no_side_effects(model), engine.paused():
+    offload = contextlib.nullcontext()
+    if getattr(engine, "offload_exact", False):
+        offload = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+    with no_side_effects(model), engine.paused(), offload:
         loss = compute_loss()
         if loss is None or not loss.requires_grad:
             return None

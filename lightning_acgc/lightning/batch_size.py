@@ -302,6 +302,9 @@ class CompressedBatchSizeFinder(BatchSizeFinder):
         finally:
             engine.memory_budget = budget
         found = result.size
+        # uncompressed exact passes at a raised batch may not fit a GPU: host memory
+        raised = found > (self.initial_batch_size or 0)
+        engine.offload_exact = raised and trainer.strategy.root_device.type == "cuda"
         if first_step is not None:
             found = self._first_step_fits(trainer, pl_module, found, first_step)
         self.compressed_batch_size = self.optimal_batch_size = found
