@@ -58,6 +58,7 @@ from lightning_acgc.codecs.quant import QuantWidthConfig
 from lightning_acgc.codecs.spec import CodecSpec
 from lightning_acgc.engine.meter import SiteRecord
 from lightning_acgc.engine.sites import SiteInfo
+from lightning_acgc.kernels.quant import stored_meta
 from lightning_acgc.policies._acgc_stats import module_norms, per_module_sq, reduce_tables
 from lightning_acgc.policies._schedule import check_int
 from lightning_acgc.policies.acgc_allocation import (
@@ -187,7 +188,7 @@ class ACGCPolicy(ACGCState, NoiseBudget, ScopeFloors, ModelCorrections, Calibrat
         self.config = config or CodecSpec(codec)
         super().__init__()
         self._meta = quant_meta_options() if codec == "quant" else {}
-        self._meta_bits = 32 if self._meta.get("meta") == "bf16" else 64  # per group
+        self._meta_bits = self._group_meta_bits("cpu")
         self.bounds: dict[str, float] = {}
         self.site_bits: dict[str, int] = {}
         self._floors: dict[str, int] = {}  # quant: smallest width per tensor (acgc_floors)
@@ -311,15 +312,18 @@ class ACGCPolicy(ACGCState, NoiseBudget, ScopeFloors, ModelCorrections, Calibrat
 
     def setup(self, model: nn.Module) -> None:
         super().setup(model)
-        # the Triton kernel writes bf16-requested metadata as fp32 on CUDA (quant_encode)
         on_cuda = any(p.is_cuda for p in model.parameters())
-        if self._meta.get("meta") == "bf16":
-            self._meta_bits = 64 if on_cuda and self.config.backend == "auto" else 32
+        self._meta_bits = self._group_meta_bits("cuda" if on_cuda else "cpu")
         self._norm_params = [
             n
             for n, m in model.named_modules()
             if type(m).__name__ in NORM_TYPES and getattr(m, "weight", None) is not None
         ]
+
+    def _group_meta_bits(self, device_type: str) -> int:
+        """Bits of one group's metadata as the quant kernels write it on that device."""
+        meta = self._meta.get("meta", "fp32")
+        return 32 if stored_meta(meta, device_type, self.config.backend) == "bf16" else 64
 
     def _calibrate(self, grad_sq: dict[str, float], g_sq: float, layer: dict[str, float]) -> None:
         sens = tensor_sensitivities(

@@ -26,10 +26,25 @@ __all__ = [
     "quant_decode_ref",
     "quant_encode",
     "quant_encode_ref",
+    "stored_meta",
     "uniform_noise",
 ]
 
 _TRITON = "lightning_acgc.kernels.quant.triton"
+
+
+def stored_meta(meta: str, device_type: str, backend: str = "auto") -> str:
+    """The metadata format ``quant_encode`` writes when asked for ``meta``: the Triton
+    kernel writes float32 only, so with ``backend="auto"`` a CUDA tensor asked for
+    ``"bf16"`` gets ``"fp32"`` (32 bits a group more, and steps exact instead of rounded
+    up to bfloat16, so never a larger error) rather than the torch reference, which runs
+    many times slower there.
+
+    Example:
+        >>> stored_meta("bf16", "cuda"), stored_meta("bf16", "cpu")
+        ('fp32', 'bf16')
+    """
+    return "fp32" if device_type == "cuda" and backend == "auto" else meta
 
 
 def quant_encode(
@@ -40,13 +55,8 @@ def quant_encode(
     backend: str = "auto",
     meta: str = "fp32",
 ) -> dict[str, torch.Tensor]:
-    """Encode a non-empty floating tensor.
-
-    The Triton kernel writes float32 metadata only: with ``backend="auto"`` a CUDA
-    tensor asked for ``meta="bf16"`` gets float32 metadata (32 bits a group more, and
-    steps exact instead of rounded up to bfloat16, so never a larger error), since the
-    torch reference that writes bfloat16 runs many times slower there.
-    ``backend="torch"`` keeps ``meta`` as asked on every device.
+    """Encode a non-empty floating tensor, its metadata in :func:`stored_meta`'s format
+    (``backend="torch"`` keeps ``meta`` as asked on every device).
 
     Example:
         >>> x = torch.arange(8.0)
@@ -59,8 +69,7 @@ def quant_encode(
             f"meta={meta!r} needs backend 'auto', 'torch' or 'cpu': the Triton "
             "kernel writes fp32 metadata only"
         )
-    if meta != "fp32" and x.device.type == "cuda" and backend == "auto":
-        meta = "fp32"
+    meta = stored_meta(meta, x.device.type, backend)
     if meta != "fp32" and x.device.type != "cpu":
         backend = "torch"
     fn = route(x, backend, quant_encode_ref, f"{_TRITON}:quant_encode_triton", quant_encode_cpu)
