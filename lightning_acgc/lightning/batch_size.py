@@ -303,10 +303,11 @@ class CompressedBatchSizeFinder(BatchSizeFinder):
             engine.memory_budget = budget
         found = result.size
         # uncompressed exact passes at a raised batch may not fit a GPU: host memory
-        raised = found > (self.initial_batch_size or 0)
-        engine.offload_exact = raised and trainer.strategy.root_device.type == "cuda"
+        on_gpu = trainer.strategy.root_device.type == "cuda"
+        engine.offload_exact = on_gpu and found > (self.initial_batch_size or 0)
         if first_step is not None:
             found = self._first_step_fits(trainer, pl_module, found, first_step)
+            engine.offload_exact = on_gpu and found > (self.initial_batch_size or 0)
         self.compressed_batch_size = self.optimal_batch_size = found
         self.limit_note = why if result.limit is not None else None
         initial = self.initial_batch_size
