@@ -4,12 +4,12 @@ tables and the project's bars come from."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from benchmarks._codec_tables import codecs_table
 from benchmarks._tables import machine_line, memory_time_table
+from benchmarks.run_all import device_kind, read_results
 
 __all__ = ["GPU_BENCHMARKS", "gpu_section", "is_gpu_line", "kernels_table", "load_gpu"]
 
@@ -18,16 +18,14 @@ GPU_BENCHMARKS = ("memory", "speed", "codecs", "kernels")
 
 def is_gpu_line(row: dict[str, Any]) -> bool:
     """Whether a result line was measured on a CUDA device."""
-    return str(row.get("machine", {}).get("device", "cpu")).startswith("cuda")
+    return device_kind(row) == "cuda"
 
 
 def load_gpu(results: Path) -> dict[str, dict[str, Any]]:
     """Per benchmark, its last GPU line (a full one where there is one)."""
     out: dict[str, dict[str, Any]] = {}
     for name in GPU_BENCHMARKS:
-        path = results / f"{name}.jsonl"
-        rows = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-        rows = [r for r in rows if is_gpu_line(r)]
+        rows = [r for r in read_results(results / f"{name}.jsonl") if is_gpu_line(r)]
         rows.sort(key=lambda r: r.get("mode") == "full")
         if rows:
             out[name] = rows[-1]
