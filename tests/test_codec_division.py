@@ -208,29 +208,28 @@ def test_non_contiguous(make) -> None:
         torch.testing.assert_close(same.payload[key], value, atol=0, rtol=0)
 
 
-@settings(max_examples=40, deadline=None)
-@given(
-    shape=st.lists(st.integers(1, 17), min_size=0, max_size=5).map(tuple),
-    block=st.integers(1, 9),
-    bits=st.sampled_from([1, 2, 4, 8]),
-    group_size=st.sampled_from([8, 24, 64, 256]),
-    dtype=st.sampled_from(DTYPES),
-    scale=st.sampled_from([1e-3, 1.0, 1e3]),
-    seed=st.integers(0, 2**40),
-)
-def test_round_trip_property(
-    shape: tuple[int, ...],
-    block: int,
-    bits: int,
-    group_size: int,
-    dtype: torch.dtype,
-    scale: float,
-    seed: int,
-) -> None:
+@st.composite
+def round_trip_cases(draw: st.DrawFn) -> tuple[torch.Tensor, dict[str, int], int]:
+    """(x, codec options, seed): shapes of 0 to 5 dims, blocks, widths, groups, dtypes
+    and scales (also run on a GPU by ``tests/test_gpu_codecs.py``)."""
+    shape = tuple(draw(st.lists(st.integers(1, 17), min_size=0, max_size=5)))
+    options = {
+        "block": draw(st.integers(1, 9)),
+        "residual_bits": draw(st.sampled_from([1, 2, 4, 8])),
+        "group_size": draw(st.sampled_from([8, 24, 64, 256])),
+    }
+    dtype = draw(st.sampled_from(DTYPES))
+    scale = draw(st.sampled_from([1e-3, 1.0, 1e3]))
+    seed = draw(st.integers(0, 2**40))
     gen = torch.Generator().manual_seed(seed)
-    x = (torch.randn(shape, generator=gen) * scale).to(dtype)
-    codec = _codec(block=block, residual_bits=bits, group_size=group_size)
-    packed, y = _round_trip(codec, x, seed=seed)
+    return (torch.randn(shape, generator=gen) * scale).to(dtype), options, seed
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=round_trip_cases())
+def test_round_trip_property(case: tuple[torch.Tensor, dict[str, int], int]) -> None:
+    x, options, seed = case
+    packed, y = _round_trip(_codec(**options), x, seed=seed)
     _assert_within_bound(x, y, packed)
 
 

@@ -148,30 +148,11 @@ def test_bounded_every_kind_on_gpu(kind: str, dtype: torch.dtype) -> None:
 
 
 @_GPU_SETTINGS
-@given(
-    shape=st.lists(st.integers(1, 17), min_size=0, max_size=5).map(tuple),
-    block=st.integers(1, 9),
-    bits=st.sampled_from([1, 2, 4, 8]),
-    group_size=st.sampled_from([8, 24, 64, 256]),
-    dtype=st.sampled_from(division_tests.DTYPES),
-    scale=st.sampled_from([1e-3, 1.0, 1e3]),
-    seed=st.integers(0, 2**40),
-)
-def test_division_within_bound_on_gpu(
-    shape: tuple[int, ...],
-    block: int,
-    bits: int,
-    group_size: int,
-    dtype: torch.dtype,
-    scale: float,
-    seed: int,
-) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    x = (torch.randn(shape, generator=gen) * scale).to(dtype).cuda()
-    codec = build_codec(
-        "division", {"block": block, "residual_bits": bits, "group_size": group_size}
-    )
-    packed, y = division_tests._round_trip(codec, x, seed=seed)
+@given(case=division_tests.round_trip_cases())
+def test_division_within_bound_on_gpu(case: tuple[torch.Tensor, dict[str, int], int]) -> None:
+    x, options, seed = case
+    x = x.cuda()
+    packed, y = division_tests._round_trip(build_codec("division", options), x, seed=seed)
     division_tests._assert_within_bound(x, y, packed)
 
 

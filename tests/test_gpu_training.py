@@ -16,6 +16,7 @@ from lightning_acgc import ActivationCompression, compress_activations
 from lightning_acgc.policies import available_policies
 from tests._lightning_models import TinyCNN, fit, module_hook_count, saved_tensors_hooks_active
 from tests._models import ARCHITECTURES, ResidualCNN, loss_of
+from tests.test_gradients import _grad
 
 pytestmark = [
     pytest.mark.gpu,
@@ -35,14 +36,6 @@ def _model(name: str) -> tuple[nn.Module, object]:
     make_model, make_inputs = ARCHITECTURES[name]
     torch.manual_seed(0)
     return make_model().cuda(), _to_cuda(make_inputs())
-
-
-def _grad(model: nn.Module, inputs: object, ctx=None) -> torch.Tensor:
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(123)  # identical dropout masks in every run
-    with ctx if ctx is not None else contextlib.nullcontext():
-        loss_of(model, inputs).backward()
-    return torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
