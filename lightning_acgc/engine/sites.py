@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["ModuleTracker", "SiteInfo"]
+__all__ = ["ModuleTracker", "SiteInfo", "outside_every_module"]
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,18 @@ class SiteInfo:
     @property
     def key(self) -> str:
         return f"{self.module}:{self.ordinal}"
+
+
+def outside_every_module(site: SiteInfo) -> bool:
+    """Whether the tensor was saved while no module's forward ran: the loss and other
+    ops of a training step around the model (inside the root model's forward the site
+    has the root's name "" but its type).
+
+    Example:
+        >>> outside_every_module(SiteInfo("", "", 0)), outside_every_module(SiteInfo("", "Net", 0))
+        (True, False)
+    """
+    return not site.module and not site.module_type
 
 
 class ModuleTracker:
