@@ -253,30 +253,27 @@ int acgc_quant_encode(const float *x, int64_t n, int64_t gs, int bits, int bf16,
     return status & 2 ? 2 : status;
 }
 
-/* The 8 codes of width w (1..16) held by the w bytes at src, as float32 into q[0..7]; with
- * room (16 readable bytes at src) it loads 16 bytes, the bits past 8 * w being unused. */
-static inline void codes8(const uint8_t *src, int w, int room, float *q) {
-    if (w <= 8) { /* 8 codes in at most 64 bits */
-        uint64_t a = 0;
-        if (room)
-            memcpy(&a, src, 8); /* little-endian hosts (x86-64, aarch64) */
-        else
-            memcpy(&a, src, (size_t)w);
-        uint32_t mask8 = (1u << w) - 1u;
-        for (int k = 0; k < 8; k++) q[k] = (float)((uint32_t)(a >> (k * w)) & mask8);
-        return;
+/* The inverse of pack8 (below): the 8 codes of width w (1..16) held by the w bytes at src
+ * into q[0..7], from two 64-bit loads where 16 bytes are readable (avail: the bytes
+ * readable from src; fewer than w at the end of a stream, the rest read as 0). */
+static inline void unpack8(const uint8_t *src, int w, int64_t avail, uint32_t *q) {
+    uint64_t low, high;
+    if (avail >= 16) {
+        memcpy(&low, src, 8); /* little-endian hosts (x86-64, aarch64) */
+        memcpy(&high, src + 8, 8);
+    } else {
+        uint8_t buf[16] = {0};
+        memcpy(buf, src, (size_t)(avail < w ? avail : w));
+        memcpy(&low, buf, 8);
+        memcpy(&high, buf + 8, 8);
     }
-    uint8_t buf[16] = {0};
-    if (room)
-        memcpy(buf, src, 16);
-    else
-        memcpy(buf, src, (size_t)w);
-    uint64_t a, b;
-    memcpy(&a, buf, 8); /* little-endian hosts (x86-64, aarch64) */
-    memcpy(&b, buf + 8, 8);
-    unsigned __int128 v = ((unsigned __int128)b << 64) | a;
     uint32_t mask = (1u << w) - 1u;
-    for (int k = 0; k < 8; k++) q[k] = (float)((uint32_t)(v >> (k * w)) & mask);
+    for (int k = 0; k < 8; k++) {
+        int sh = k * w;
+        uint64_t v = sh < 64 ? low >> sh : high >> (sh - 64);
+        if (sh < 64 && sh + w > 64) v |= high << (64 - sh);
+        q[k] = (uint32_t)v & mask;
+    }
 }
 
 /* Decode one group: its len values (len <= gs) from the group's codes at src into dst;
@@ -507,17 +504,60 @@ static inline float bounded_value(float q, float lo, float s, int zk, float top)
 }
 
 
-/* 8 codes of width w (1..16) as a little-endian bit stream into the w bytes at dst. */
-static inline void pack8(const uint32_t *q, int w, uint8_t *dst) {
+/* 8 codes of width w (1..16) as a little-endian bit stream into the w bytes at dst, built
+ * in two 64-bit registers (constant shifts for a constant w; GCC's 128-bit shifts spill to
+ * the stack) and written with 8-byte stores; room: 16 bytes from dst are writable (the
+ * next codes' bytes past the w, which their own stores then overwrite). */
+static inline void pack8(const uint32_t *q, int w, uint8_t *dst, int room) {
+    uint64_t low = 0, high = 0;
+    for (int k = 0; k < 8; k++) {
+        int sh = k * w;
+        if (sh < 64) low |= (uint64_t)q[k] << sh;
+        if (sh + w > 64) high |= sh < 64 ? (uint64_t)q[k] >> (64 - sh) : (uint64_t)q[k] << (sh - 64);
+    }
+    /* little-endian hosts (x86-64, aarch64) */
     if (w <= 8) {
-        uint64_t v = 0;
-        for (int k = 0; k < 8; k++) v |= (uint64_t)q[k] << (k * w);
-        for (int j = 0; j < w; j++) dst[j] = (uint8_t)(v >> (8 * j));
+        memcpy(dst, &low, room ? 8 : (size_t)w);
         return;
     }
-    unsigned __int128 v = 0;
-    for (int k = 0; k < 8; k++) v |= (unsigned __int128)q[k] << (k * w);
-    for (int j = 0; j < w; j++) dst[j] = (uint8_t)(v >> (8 * j));
+    memcpy(dst, &low, 8);
+    if (room) {
+        memcpy(dst + 8, &high, 8);
+    } else {
+        for (int j = 0; j < w - 8; j++) dst[8 + j] = (uint8_t)(high >> (8 * j));
+    }
+}
+
+/* Codes q[0..m) (m a multiple of 8) of width w (1..16) as a little-endian bit stream into
+ * dst (m / 8 * w bytes): one loop per width, so that the shifts are constants. */
+static void pack_codes(const uint32_t *q, int64_t m, int w, uint8_t *dst) {
+#define PACK_W(W)                                                                   \
+    case W:                                                                         \
+        for (int64_t j = 0; j < m; j += 8) pack8(q + j, (W), dst + j / 8 * (W), (m - j) / 8 * (W) >= 16); \
+        break;
+    switch (w) {
+        PACK_W(1) PACK_W(2) PACK_W(3) PACK_W(4) PACK_W(5) PACK_W(6) PACK_W(7) PACK_W(8)
+        PACK_W(9) PACK_W(10) PACK_W(11) PACK_W(12) PACK_W(13) PACK_W(14) PACK_W(15)
+        PACK_W(16)
+        default: break;
+    }
+#undef PACK_W
+}
+
+/* The inverse of pack_codes: the codes of the bytes at src (avail of them readable) into
+ * q[0..m) (rounded up to a multiple of 8). */
+static void unpack_codes(const uint8_t *src, int64_t m, int w, int64_t avail, uint32_t *q) {
+#define UNPACK_W(W)                                                                         \
+    case W:                                                                                 \
+        for (int64_t j = 0; j < m; j += 8) unpack8(src + j / 8 * (W), (W), avail - j / 8 * (W), q + j); \
+        break;
+    switch (w) {
+        UNPACK_W(1) UNPACK_W(2) UNPACK_W(3) UNPACK_W(4) UNPACK_W(5) UNPACK_W(6) UNPACK_W(7)
+        UNPACK_W(8) UNPACK_W(9) UNPACK_W(10) UNPACK_W(11) UNPACK_W(12) UNPACK_W(13)
+        UNPACK_W(14) UNPACK_W(15) UNPACK_W(16)
+        default: break;
+    }
+#undef UNPACK_W
 }
 
 /* Encode: per group g of kind width[g] (0 constant, 1..16 coded, 255 raw) with lo/step from
@@ -564,19 +604,7 @@ void acgc_bounded_pack(const float *x, int64_t n, int64_t gs, const uint8_t *wid
             if (w > 0) { /* m is a multiple of 8: each chunk starts on a byte */
                 uint32_t qi[CHUNK];
                 for (int64_t j = 0; j < m; j++) qi[j] = (uint32_t)q[j];
-                uint8_t *dst = out + c0 / 8 * w;
-                /* one loop per width, so that the shifts are constants */
-#define PACK_W(W)                                                        \
-    case W:                                                              \
-        for (int64_t j = 0; j < m; j += 8) pack8(qi + j, (W), dst + j / 8 * (W)); \
-        break;
-                switch (w) {
-                    PACK_W(1) PACK_W(2) PACK_W(3) PACK_W(4) PACK_W(5) PACK_W(6) PACK_W(7)
-                    PACK_W(8) PACK_W(9) PACK_W(10) PACK_W(11) PACK_W(12) PACK_W(13)
-                    PACK_W(14) PACK_W(15) PACK_W(16)
-                    default: break;
-                }
-#undef PACK_W
+                pack_codes(qi, m, w, out + c0 / 8 * w);
             }
             if (check) {
                 int32_t cnt = 0;
@@ -623,22 +651,10 @@ void acgc_bounded_unpack(const uint8_t *codes, int64_t groups, int64_t gs, const
             } else if (w == 8) {
                 for (int64_t j = 0; j < m; j++) v[j] = (float)src[c0 + j];
             } else {
-                int64_t end = gs / 8 * w; /* the group's bytes */
-                /* one loop per width, so that the shifts are constants */
-#define UNPACK_W(W)                                                  \
-    case W:                                                          \
-        for (int64_t j = 0; j < m; j += 8) {                         \
-            int64_t at = (c0 + j) / 8 * (W);                         \
-            codes8(src + at, (W), at + 16 <= end, v + j);            \
-        }                                                            \
-        break;
-                switch (w) {
-                    UNPACK_W(1) UNPACK_W(2) UNPACK_W(3) UNPACK_W(4) UNPACK_W(5) UNPACK_W(6)
-                    UNPACK_W(7) UNPACK_W(9) UNPACK_W(10) UNPACK_W(11) UNPACK_W(12)
-                    UNPACK_W(13) UNPACK_W(14) UNPACK_W(15) UNPACK_W(16)
-                    default: break;
-                }
-#undef UNPACK_W
+                uint32_t qi[CHUNK];
+                int64_t at = c0 / 8 * w; /* the chunk's bytes in the group's gs / 8 * w */
+                unpack_codes(src + at, m, w, gs / 8 * w - at, qi);
+                for (int64_t j = 0; j < m; j++) v[j] = (float)qi[j];
             }
             for (int64_t j = 0; j < m; j++) v[j] = bounded_value(v[j], l, s, zk, top);
             if (kind == 0) {
@@ -947,6 +963,55 @@ uint64_t acgc_intpack_base(const int64_t *x, int64_t n, int64_t gs, int64_t *bas
     return top;
 }
 
+/* The residuals x[i] - base[i / gs] (mod 2**64) of i0 <= i < i1, the width-w bit stream of
+ * acgc_intpack_pack from bit i0 * w (a byte, i0 being a multiple of 8) into o, one value
+ * at a time through a 128-bit accumulator (any width 1..64). */
+static void pack_wide(const int64_t *x, int64_t i0, int64_t i1, int64_t gs, const int64_t *base,
+                      int width, uint8_t *o) {
+    int64_t g = i0 / gs, gend = (g + 1) * gs;
+    uint64_t bs = (uint64_t)base[g];
+    unsigned __int128 acc = 0;
+    int nb = 0;
+    for (int64_t i = i0; i < i1; i++) {
+        if (i == gend) {
+            bs = (uint64_t)base[++g];
+            gend += gs;
+        }
+        acc |= (unsigned __int128)((uint64_t)x[i] - bs) << nb;
+        nb += width;
+        if (nb >= 64) {
+            uint64_t word = (uint64_t)acc;
+            memcpy(o, &word, 8); /* little-endian hosts (x86-64, aarch64) */
+            o += 8;
+            acc >>= 64;
+            nb -= 64;
+        }
+    }
+    for (; nb > 0; nb -= 8, acc >>= 8) *o++ = (uint8_t)acc; /* the stream's tail only */
+}
+
+/* pack_wide for widths 1..16: the residuals as uint32 into a buffer (a loop that
+ * vectorizes), then packed 8 at a time with constant shifts (pack_codes); i1 - i0 <=
+ * INT_BLOCK. */
+static void pack_narrow(const int64_t *x, int64_t i0, int64_t i1, int64_t gs,
+                        const int64_t *base, int width, uint8_t *o) {
+    uint32_t r[INT_BLOCK + 8];
+    for (int64_t s = i0; s < i1;) { /* the part of each group inside [i0, i1) */
+        int64_t g = s / gs, stop = (g + 1) * gs < i1 ? (g + 1) * gs : i1;
+        uint64_t bs = (uint64_t)base[g];
+        for (int64_t i = s; i < stop; i++) r[i - i0] = (uint32_t)((uint64_t)x[i] - bs);
+        s = stop;
+    }
+    int64_t len = i1 - i0, whole = len / 8 * 8;
+    pack_codes(r, whole, width, o);
+    if (whole < len) { /* the stream's tail: its last byte's unused bits 0 */
+        uint8_t tail[16];
+        for (int64_t j = len; j < whole + 8; j++) r[j] = 0;
+        pack_codes(r + whole, 8, width, tail);
+        memcpy(o + whole / 8 * width, tail, (size_t)(((len - whole) * width + 7) / 8));
+    }
+}
+
 /* Residual x[i] - base[i / gs] (mod 2**64) at bits [i * width, (i + 1) * width) of out,
  * least significant bit first, the last byte's unused bits 0; width 1..64. */
 void acgc_intpack_pack(const int64_t *x, int64_t n, int64_t gs, const int64_t *base, int width,
@@ -956,26 +1021,10 @@ void acgc_intpack_pack(const int64_t *x, int64_t n, int64_t gs, const int64_t *b
     for (int64_t b = 0; b < blocks; b++) {
         int64_t i0 = b * INT_BLOCK, i1 = i0 + INT_BLOCK < n ? i0 + INT_BLOCK : n;
         uint8_t *o = out + i0 / 8 * width;
-        int64_t g = i0 / gs, gend = (g + 1) * gs;
-        uint64_t bs = (uint64_t)base[g];
-        unsigned __int128 acc = 0;
-        int nb = 0;
-        for (int64_t i = i0; i < i1; i++) {
-            if (i == gend) {
-                bs = (uint64_t)base[++g];
-                gend += gs;
-            }
-            acc |= (unsigned __int128)((uint64_t)x[i] - bs) << nb;
-            nb += width;
-            if (nb >= 64) {
-                uint64_t word = (uint64_t)acc;
-                memcpy(o, &word, 8); /* little-endian hosts (x86-64, aarch64) */
-                o += 8;
-                acc >>= 64;
-                nb -= 64;
-            }
-        }
-        for (; nb > 0; nb -= 8, acc >>= 8) *o++ = (uint8_t)acc; /* the stream's tail only */
+        if (width <= 16)
+            pack_narrow(x, i0, i1, gs, base, width, o);
+        else
+            pack_wide(x, i0, i1, gs, base, width, o);
     }
 }
 
@@ -991,31 +1040,42 @@ static inline uint64_t bits_at(const uint8_t *p, const uint8_t *end, int sh) {
     return (uint64_t)(v >> sh);
 }
 
-/* The inverse of acgc_intpack_pack (width 0..64): out[i] = base[i / gs] + residual i, each
- * residual read on its own (one 8-byte load where the width and the stream's end allow). */
+/* Residual i of the width-w (0..64) stream at bits, end its end: one 8-byte load where the
+ * width and the stream's end allow. */
+static inline uint64_t residual_at(const uint8_t *bits, const uint8_t *end, int64_t i, int width,
+                                   uint64_t mask) {
+    uint64_t bit = (uint64_t)i * (uint64_t)width;
+    const uint8_t *p = bits + (bit >> 3);
+    uint64_t r;
+    if (width <= 56 && p + 8 <= end) {
+        memcpy(&r, p, 8); /* little-endian hosts (x86-64, aarch64) */
+        r >>= bit & 7;
+    } else {
+        r = width ? bits_at(p, end, (int)(bit & 7)) : 0;
+    }
+    return r & mask;
+}
+
+/* The inverse of acgc_intpack_pack (width 0..64): out[i] = base[i / gs] + residual i; widths
+ * 1..16 unpacked 8 at a time with constant shifts (unpack_codes), wider ones one by one. */
 void acgc_intpack_unpack(const uint8_t *bits, int64_t n, int64_t gs, const int64_t *base,
                          int width, int64_t *out, int nthreads) {
     int64_t blocks = (n + INT_BLOCK - 1) / INT_BLOCK;
     const uint8_t *end = bits + (n * width + 7) / 8;
     uint64_t mask = width == 64 ? ~(uint64_t)0 : (((uint64_t)1 << width) - 1);
+    int narrow = width >= 1 && width <= 16;
 #pragma omp parallel for schedule(static) num_threads(THREADS(n))
     for (int64_t b = 0; b < blocks; b++) {
         int64_t i0 = b * INT_BLOCK, i1 = i0 + INT_BLOCK < n ? i0 + INT_BLOCK : n;
+        uint32_t r[INT_BLOCK];
+        const uint8_t *src = bits + i0 / 8 * width;
+        if (narrow) unpack_codes(src, i1 - i0, width, end - src, r);
         for (int64_t g0 = i0; g0 < i1;) { /* the part of each group inside the block */
             int64_t g = g0 / gs, stop = (g + 1) * gs < i1 ? (g + 1) * gs : i1;
             uint64_t bs = (uint64_t)base[g];
             for (int64_t i = g0; i < stop; i++) {
-                uint64_t bit = (uint64_t)i * (uint64_t)width;
-                const uint8_t *p = bits + (bit >> 3);
-                uint64_t r;
-                if (width <= 56 && p + 8 <= end) {
-                    uint64_t word;
-                    memcpy(&word, p, 8); /* little-endian hosts (x86-64, aarch64) */
-                    r = word >> (bit & 7);
-                } else {
-                    r = width ? bits_at(p, end, (int)(bit & 7)) : 0;
-                }
-                out[i] = (int64_t)((r & mask) + bs);
+                uint64_t v = narrow ? r[i - i0] : residual_at(bits, end, i, width, mask);
+                out[i] = (int64_t)(v + bs);
             }
             g0 = stop;
         }
