@@ -139,14 +139,34 @@ static inline int group_param(float lo, float hi, float mp, int bits, int bf16, 
     return ok;
 }
 
-/* 8 codes q[8b..8b+7] of constant width W (3, 5, 6, 7) as one word, stored as its W low
- * bytes at out + W * b (little-endian hosts: x86-64, aarch64), for each whole 8 codes. */
+/* The 8 codes of width w held one per byte in x (little-endian) as an 8w-bit stream: byte
+ * pairs joined into 16-bit lanes, those into 32-bit lanes, then the two halves (shifts and
+ * masks on one word, no loop over the codes). */
+static inline uint64_t squeeze8(uint64_t x, int w) {
+    x = (x & 0x00FF00FF00FF00FFULL) | (x & 0xFF00FF00FF00FF00ULL) >> (8 - w);
+    x = (x & 0x0000FFFF0000FFFFULL) | (x & 0xFFFF0000FFFF0000ULL) >> (16 - 2 * w);
+    return (x & 0xFFFFFFFFULL) | (x >> 32) << (4 * w);
+}
+
+/* 8 codes q[8b..8b+7] of constant width W (3, 5, 6, 7) as one word (a loop that
+ * vectorizes), stored as its W low bytes at out + W * b (little-endian hosts: x86-64,
+ * aarch64), for each whole 8 codes; an 8-byte store where 8 bytes of the chunk's remain
+ * (the next words overwrite the rest). */
 #define PACK_ODD(W)                                                                       \
-    for (int64_t b = 0; b < len / 8; b++) {                                               \
-        uint64_t word = 0;                                                                \
-        for (int k = 0; k < 8; k++) word |= (uint64_t)q[8 * b + k] << (k * (W));          \
-        memcpy(out + b * (W), &word, (W));                                                \
-    }
+    do {                                                                                  \
+        uint64_t words[CHUNK / 8];                                                        \
+        int64_t units = len / 8;                                                          \
+        for (int64_t b = 0; b < units; b++) {                                             \
+            memcpy(&words[b], q + 8 * b, 8);                                              \
+            words[b] = squeeze8(words[b], (W));                                           \
+        }                                                                                 \
+        for (int64_t b = 0; b < units; b++) {                                             \
+            if ((units - b) * (W) >= 8)                                                   \
+                memcpy(out + b * (W), &words[b], 8);                                      \
+            else                                                                          \
+                memcpy(out + b * (W), &words[b], (W));                                    \
+        }                                                                                 \
+    } while (0)
 
 /* The inverse: the 8 codes of each W bytes at s (end: the bytes readable from s) as floats
  * into c; a word loads 8 bytes where they are readable, else its W. */
