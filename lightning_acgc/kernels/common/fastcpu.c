@@ -801,6 +801,27 @@ static inline float bf16_round(float v) {
     return f32_of((b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u);
 }
 
+/* The averages of tiles t0..t1 of blk values along a row p of w values (the last tile
+ * short) into out[0..t1 - t0): each summed in order from 0 and divided by its count. */
+static inline void tile_means(const float *p, int64_t t0, int64_t t1, int64_t w, int64_t blk,
+                              float *out) {
+    int64_t t = t0;
+    if (blk == 8) { /* the default block: a constant count, so that the loop vectorizes */
+        int64_t whole = w / 8 < t1 ? w / 8 : t1;
+        for (; t < whole; t++) {
+            float s = 0.0f;
+            for (int k = 0; k < 8; k++) s = s + p[8 * t + k];
+            out[t - t0] = s / 8.0f;
+        }
+    }
+    for (; t < t1; t++) {
+        int64_t cnt = (t + 1) * blk <= w ? blk : w - t * blk;
+        float s = 0.0f;
+        for (int64_t k = 0; k < cnt; k++) s = s + p[t * blk + k];
+        out[t - t0] = s / (float)cnt;
+    }
+}
+
 /* The block averages into low, (planes, ho, wo) float32 (ho = ceil(h / blk) if ph, else
  * h; wo likewise), in the reference's order: along w first (each tile summed in order from
  * 0, divided by its count), then along h over those averages; rounded to bfloat16 values
@@ -820,19 +841,13 @@ int acgc_division_low(const float *x, int64_t planes, int64_t h, int64_t w, int6
         float *o = low + (pl * ho + j) * wo;
         for (int64_t r = r0; r < r1; r++) {
             const float *p = x + (pl * h + r) * w;
-            for (int64_t t = t0; t < t1; t++) {
-                float v = p[t];
-                if (pw) {
-                    int64_t cnt = (t + 1) * blk <= w ? blk : w - t * blk;
-                    float s = 0.0f;
-                    for (int64_t k = 0; k < cnt; k++) s = s + p[t * blk + k];
-                    v = s / (float)cnt;
-                }
-                if (!ph)
-                    o[t] = v;
-                else
-                    o[t] = (r == r0 ? 0.0f : o[t]) + v;
-            }
+            float v[LOW_TILES];
+            if (pw)
+                tile_means(p, t0, t1, w, blk, v);
+            else
+                memcpy(v, p + t0, (size_t)(t1 - t0) * 4);
+            for (int64_t t = t0; t < t1; t++)
+                o[t] = !ph ? v[t - t0] : (r == r0 ? 0.0f : o[t]) + v[t - t0];
         }
         for (int64_t t = t0; t < t1; t++) {
             float v = ph ? o[t] / (float)(r1 - r0) : o[t];
