@@ -139,47 +139,80 @@ static inline int group_param(float lo, float hi, float mp, int bits, int bf16, 
     return ok;
 }
 
-/* The 8 codes of width w held one per byte in x (little-endian) as an 8w-bit stream: byte
- * pairs joined into 16-bit lanes, those into 32-bit lanes, then the two halves (shifts and
- * masks on one word, no loop over the codes). */
+/* The 8 codes of width w (1..8) held one per byte in x (little-endian) as an 8w-bit stream:
+ * byte pairs joined into 16-bit lanes, those into 32-bit lanes, then the two halves (shifts
+ * and masks on one word, no loop over the codes). */
 static inline uint64_t squeeze8(uint64_t x, int w) {
     x = (x & 0x00FF00FF00FF00FFULL) | (x & 0xFF00FF00FF00FF00ULL) >> (8 - w);
     x = (x & 0x0000FFFF0000FFFFULL) | (x & 0xFFFF0000FFFF0000ULL) >> (16 - 2 * w);
     return (x & 0xFFFFFFFFULL) | (x >> 32) << (4 * w);
 }
 
-/* 8 codes q[8b..8b+7] of constant width W (3, 5, 6, 7) as one word (a loop that
- * vectorizes), stored as its W low bytes at out + W * b (little-endian hosts: x86-64,
- * aarch64), for each whole 8 codes; an 8-byte store where 8 bytes of the chunk's remain
- * (the next words overwrite the rest). */
-#define PACK_ODD(W)                                                                       \
-    do {                                                                                  \
-        uint64_t words[CHUNK / 8];                                                        \
-        int64_t units = len / 8;                                                          \
-        for (int64_t b = 0; b < units; b++) {                                             \
-            memcpy(&words[b], q + 8 * b, 8);                                              \
-            words[b] = squeeze8(words[b], (W));                                           \
-        }                                                                                 \
-        for (int64_t b = 0; b < units; b++) {                                             \
-            if ((units - b) * (W) >= 8)                                                   \
-                memcpy(out + b * (W), &words[b], 8);                                      \
-            else                                                                          \
-                memcpy(out + b * (W), &words[b], (W));                                    \
-        }                                                                                 \
-    } while (0)
+/* The inverse of squeeze8: the 8 codes of the low 8w bits of x, one per byte. */
+static inline uint64_t spread8(uint64_t x, int w) {
+    uint64_t m4 = (1ULL << (4 * w)) - 1, m2 = ((1ULL << (2 * w)) - 1) * 0x0000000100000001ULL;
+    uint64_t m1 = ((1ULL << w) - 1) * 0x0001000100010001ULL;
+    x = (x & m4) | (x >> (4 * w) & m4) << 32;
+    x = (x & m2) | (x >> (2 * w) & m2) << 16;
+    return (x & m1) | (x >> w & m1) << 8;
+}
 
-/* The inverse: the 8 codes of each W bytes at s (end: the bytes readable from s) as floats
- * into c; a word loads 8 bytes where they are readable, else its W. */
-#define UNPACK_ODD(W)                                                                     \
-    for (int64_t b = 0; b < (m + 7) / 8; b++) {                                           \
-        uint64_t a = 0;                                                                   \
-        if (b * (W) + 8 <= end)                                                           \
-            memcpy(&a, s + b * (W), 8);                                                   \
-        else                                                                              \
-            memcpy(&a, s + b * (W), (W));                                                 \
-        for (int k = 0; k < 8; k++)                                                       \
-            c[8 * b + k] = (float)((uint32_t)(a >> (k * (W))) & ((1u << (W)) - 1u));      \
+/* Codes q[0..len) (len <= CHUNK, a multiple of 8), one per byte, of width w (1..8) as a
+ * little-endian bit stream into out (len / 8 * w bytes): each 8 codes squeezed into a word
+ * (a loop that vectorizes), stored as its w low bytes (little-endian hosts: x86-64,
+ * aarch64); an 8-byte store where 8 bytes of out remain (the next words overwrite the
+ * rest). */
+static inline void pack_bytes_w(const uint8_t *q, int64_t len, int w, uint8_t *out) {
+    uint64_t words[CHUNK / 8];
+    int64_t units = len / 8;
+    memcpy(words, q, (size_t)units * 8);
+    for (int64_t b = 0; b < units; b++) words[b] = squeeze8(words[b], w);
+    for (int64_t b = 0; b < units; b++) {
+        if ((units - b) * w >= 8)
+            memcpy(out + b * w, &words[b], 8);
+        else
+            memcpy(out + b * w, &words[b], (size_t)w);
     }
+}
+
+/* The inverse of pack_bytes: the codes of the stream at src (avail bytes readable from it,
+ * the rest read as 0), m of them rounded up to a multiple of 8 (m <= CHUNK), one per byte
+ * into q; one 8-byte load per 8 codes where 8 bytes are readable. */
+static inline void unpack_bytes_w(const uint8_t *src, int64_t m, int w, int64_t avail,
+                                  uint8_t *q) {
+    uint64_t words[CHUNK / 8];
+    int64_t units = (m + 7) / 8;
+    uint64_t valid = w == 8 ? ~0ULL : (1ULL << (8 * w)) - 1; /* the word's 8 codes */
+    for (int64_t b = 0; b < units; b++) {
+        int64_t left = avail - b * w;
+        words[b] = 0;
+        if (left >= 8)
+            memcpy(&words[b], src + b * w, 8);
+        else if (left > 0)
+            memcpy(&words[b], src + b * w, (size_t)(left < w ? left : w));
+    }
+    for (int64_t b = 0; b < units; b++) words[b] = spread8(words[b] & valid, w);
+    memcpy(q, words, (size_t)units * 8);
+}
+
+/* pack_bytes_w and unpack_bytes_w, one copy per width 1..8 (constant shifts and masks). */
+#define CASE_W(W, CALL)                                                                   \
+    case W:                                                                               \
+        CALL;                                                                             \
+        break;
+static void pack_bytes(const uint8_t *q, int64_t len, int w, uint8_t *out) {
+#define PACK_BYTES(W) CASE_W(W, pack_bytes_w(q, len, W, out))
+    switch (w) { PACK_BYTES(1) PACK_BYTES(2) PACK_BYTES(3) PACK_BYTES(4) PACK_BYTES(5)
+                 PACK_BYTES(6) PACK_BYTES(7) PACK_BYTES(8) default: break; }
+#undef PACK_BYTES
+}
+
+static void unpack_bytes(const uint8_t *src, int64_t m, int w, int64_t avail, uint8_t *q) {
+#define UNPACK_BYTES(W) CASE_W(W, unpack_bytes_w(src, m, W, avail, q))
+    switch (w) { UNPACK_BYTES(1) UNPACK_BYTES(2) UNPACK_BYTES(3) UNPACK_BYTES(4)
+                 UNPACK_BYTES(5) UNPACK_BYTES(6) UNPACK_BYTES(7) UNPACK_BYTES(8) default: break; }
+#undef UNPACK_BYTES
+}
 
 /* Stochastic rounding and packing of one group of gs values, the group at element index
  * base: p[0..valid) its values, pad the value of the elements past them (the tail group of
@@ -226,12 +259,7 @@ static inline void pack_span(const float *p, int64_t valid, float pad, int64_t b
                 out[b] = byte;
             }
         } else { /* 3, 5, 6, 7 bits: 8 codes -> one word -> its bits low bytes */
-            switch (bits) { /* constant widths: the shifts and stores unrolled */
-            case 3: PACK_ODD(3); break;
-            case 5: PACK_ODD(5); break;
-            case 6: PACK_ODD(6); break;
-            default: PACK_ODD(7); break;
-            }
+            pack_bytes(q, len, bits, out);
         }
     }
 }
@@ -273,7 +301,7 @@ int acgc_quant_encode(const float *x, int64_t n, int64_t gs, int bits, int bf16,
     return status & 2 ? 2 : status;
 }
 
-/* The inverse of pack8 (below): the 8 codes of width w (1..16) held by the w bytes at src
+/* The inverse of pack8 (below): the 8 codes of width w (9..16) held by the w bytes at src
  * into q[0..7], from two 64-bit loads where 16 bytes are readable (avail: the bytes
  * readable from src; fewer than w at the end of a stream, the rest read as 0). */
 static inline void unpack8(const uint8_t *src, int w, int64_t avail, uint32_t *q) {
@@ -330,13 +358,9 @@ static inline void unpack_group(const uint8_t *src, int64_t len, int64_t gs, int
                 for (int k = 0; k < per; k++)
                     c[b * per + k] = (float)((s[b] >> (bits * k)) & mask);
         } else { /* whole 8-code words of bits bytes (groups are multiples of 8) */
-            int64_t end = gs * bits / 8 - c0 * bits / 8; /* the group's bytes from s */
-            switch (bits) { /* constant widths: the shifts unrolled */
-            case 3: UNPACK_ODD(3); break;
-            case 5: UNPACK_ODD(5); break;
-            case 6: UNPACK_ODD(6); break;
-            default: UNPACK_ODD(7); break;
-            }
+            uint8_t qb[CHUNK];
+            unpack_bytes(s, m, bits, gs * bits / 8 - c0 * bits / 8, qb);
+            for (int64_t j = 0; j < m; j++) c[j] = (float)qb[j];
         }
         if (z) { /* as the reference: v * min(c, 1) + 0, branch-free (vectorized) */
             for (int64_t j = 0; j < m; j++) {
@@ -524,7 +548,7 @@ static inline float bounded_value(float q, float lo, float s, int zk, float top)
 }
 
 
-/* 8 codes of width w (1..16) as a little-endian bit stream into the w bytes at dst, built
+/* 8 codes of width w (9..16) as a little-endian bit stream into the w bytes at dst, built
  * in two 64-bit registers (constant shifts for a constant w; GCC's 128-bit shifts spill to
  * the stack) and written with 8-byte stores; room: 16 bytes from dst are writable (the
  * next codes' bytes past the w, which their own stores then overwrite). */
@@ -535,12 +559,7 @@ static inline void pack8(const uint32_t *q, int w, uint8_t *dst, int room) {
         if (sh < 64) low |= (uint64_t)q[k] << sh;
         if (sh + w > 64) high |= sh < 64 ? (uint64_t)q[k] >> (64 - sh) : (uint64_t)q[k] << (sh - 64);
     }
-    /* little-endian hosts (x86-64, aarch64) */
-    if (w <= 8) {
-        memcpy(dst, &low, room ? 8 : (size_t)w);
-        return;
-    }
-    memcpy(dst, &low, 8);
+    memcpy(dst, &low, 8); /* little-endian hosts (x86-64, aarch64) */
     if (room) {
         memcpy(dst + 8, &high, 8);
     } else {
@@ -548,33 +567,45 @@ static inline void pack8(const uint32_t *q, int w, uint8_t *dst, int room) {
     }
 }
 
-/* Codes q[0..m) (m a multiple of 8) of width w (1..16) as a little-endian bit stream into
- * dst (m / 8 * w bytes): one loop per width, so that the shifts are constants. */
+/* Codes q[0..m) (m <= CHUNK, a multiple of 8) of width w (1..16) as a little-endian bit
+ * stream into dst (m / 8 * w bytes): through pack_bytes up to 8 bits, else one loop per
+ * width, so that the shifts are constants. */
 static void pack_codes(const uint32_t *q, int64_t m, int w, uint8_t *dst) {
-#define PACK_W(W)                                                                   \
-    case W:                                                                         \
-        for (int64_t j = 0; j < m; j += 8) pack8(q + j, (W), dst + j / 8 * (W), (m - j) / 8 * (W) >= 16); \
+    if (w <= 8) { /* one byte per code, squeezed 8 at a time (pack_bytes) */
+        uint8_t qb[CHUNK];
+        for (int64_t j = 0; j < m; j++) qb[j] = (uint8_t)q[j];
+        pack_bytes(qb, m, w, dst);
+        return;
+    }
+#define PACK_W(W)                                                                       \
+    case W:                                                                             \
+        for (int64_t j = 0; j < m; j += 8)                                              \
+            pack8(q + j, (W), dst + j / 8 * (W), (m - j) / 8 * (W) >= 16);              \
         break;
     switch (w) {
-        PACK_W(1) PACK_W(2) PACK_W(3) PACK_W(4) PACK_W(5) PACK_W(6) PACK_W(7) PACK_W(8)
-        PACK_W(9) PACK_W(10) PACK_W(11) PACK_W(12) PACK_W(13) PACK_W(14) PACK_W(15)
-        PACK_W(16)
+        PACK_W(9) PACK_W(10) PACK_W(11) PACK_W(12) PACK_W(13) PACK_W(14) PACK_W(15) PACK_W(16)
         default: break;
     }
 #undef PACK_W
 }
 
 /* The inverse of pack_codes: the codes of the bytes at src (avail of them readable) into
- * q[0..m) (rounded up to a multiple of 8). */
+ * q[0..m) (m <= CHUNK, rounded up to a multiple of 8). */
 static void unpack_codes(const uint8_t *src, int64_t m, int w, int64_t avail, uint32_t *q) {
-#define UNPACK_W(W)                                                                         \
-    case W:                                                                                 \
-        for (int64_t j = 0; j < m; j += 8) unpack8(src + j / 8 * (W), (W), avail - j / 8 * (W), q + j); \
+    if (w <= 8) { /* one byte per code (unpack_bytes), then widened */
+        uint8_t qb[CHUNK];
+        unpack_bytes(src, m, w, avail, qb);
+        for (int64_t j = 0; j < m; j++) q[j] = qb[j];
+        return;
+    }
+#define UNPACK_W(W)                                                                     \
+    case W:                                                                             \
+        for (int64_t j = 0; j < m; j += 8)                                              \
+            unpack8(src + j / 8 * (W), (W), avail - j / 8 * (W), q + j);                \
         break;
     switch (w) {
-        UNPACK_W(1) UNPACK_W(2) UNPACK_W(3) UNPACK_W(4) UNPACK_W(5) UNPACK_W(6) UNPACK_W(7)
-        UNPACK_W(8) UNPACK_W(9) UNPACK_W(10) UNPACK_W(11) UNPACK_W(12) UNPACK_W(13)
-        UNPACK_W(14) UNPACK_W(15) UNPACK_W(16)
+        UNPACK_W(9) UNPACK_W(10) UNPACK_W(11) UNPACK_W(12) UNPACK_W(13) UNPACK_W(14)
+        UNPACK_W(15) UNPACK_W(16)
         default: break;
     }
 #undef UNPACK_W
