@@ -24,32 +24,31 @@ static inline uint32_t lowbias32(uint32_t x) {
     return x;
 }
 
-/* Min, max and smallest positive value of p[0..len); returns 1 if some value is NaN or
- * +-inf (outputs then meaningless), else 0. */
-static inline int stats_of(const float *p, int64_t len, float *lo, float *hi, float *min_pos) {
+/* What lane_stats computes (a constant argument: the unused lanes vanish once inlined). */
+enum { STAT_MIN = 1, STAT_MAX = 2, STAT_POS = 4, STAT_FINITE = 8, STAT_ALL = 15 };
+
+/* Of p[0..len), as `want` asks: the min (*lo), max (*hi) and smallest positive value
+ * (*min_pos, inf if none); returns 1 if STAT_FINITE is asked and some value is NaN or
+ * +-inf (the other outputs then meaningless), else 0. */
+static inline int lane_stats(const float *p, int64_t len, int want, float *lo, float *hi,
+                             float *min_pos) {
     /* 16 independent lanes (elementwise selects, which the compiler vectorizes; a float
      * min/max reduction it would not, without -ffast-math). */
     float mn[16], mx[16], mp[16];
     int nf[16];
     for (int k = 0; k < 16; k++) mn[k] = INFINITY, mx[k] = -INFINITY, mp[k] = INFINITY, nf[k] = 0;
     int64_t full = len / 16 * 16;
-    for (int64_t i = 0; i < full; i += 16) {
+    for (int64_t i = 0; i < full + 16; i += 16) {
+        int64_t lanes = i < full ? 16 : len - full; /* the tail: lanes 0.. only */
         for (int k = 0; k < 16; k++) {
+            if (i == full && k >= lanes) break;
             float v = p[i + k];
-            nf[k] |= !(fabsf(v) <= 3.4028234663852886e38f); /* NaN or inf */
-            mn[k] = v < mn[k] ? v : mn[k];
-            mx[k] = v > mx[k] ? v : mx[k];
+            if (want & STAT_FINITE) nf[k] |= !(fabsf(v) <= 3.4028234663852886e38f);
+            if (want & STAT_MIN) mn[k] = v < mn[k] ? v : mn[k];
+            if (want & STAT_MAX) mx[k] = v > mx[k] ? v : mx[k];
             float c = v > 0.0f ? v : INFINITY; /* a masked min: no branch */
-            mp[k] = c < mp[k] ? c : mp[k];
+            if (want & STAT_POS) mp[k] = c < mp[k] ? c : mp[k];
         }
-    }
-    for (int64_t i = full; i < len; i++) {
-        float v = p[i];
-        nf[0] |= !(fabsf(v) <= 3.4028234663852886e38f);
-        mn[0] = v < mn[0] ? v : mn[0];
-        mx[0] = v > mx[0] ? v : mx[0];
-        float c = v > 0.0f ? v : INFINITY;
-        mp[0] = c < mp[0] ? c : mp[0];
     }
     int nonfinite = 0;
     for (int k = 1; k < 16; k++) {
@@ -62,6 +61,12 @@ static inline int stats_of(const float *p, int64_t len, float *lo, float *hi, fl
     *hi = mx[0];
     *min_pos = mp[0];
     return nonfinite;
+}
+
+/* Min, max and smallest positive value of p[0..len); returns 1 if some value is NaN or
+ * +-inf (outputs then meaningless), else 0. */
+static inline int stats_of(const float *p, int64_t len, float *lo, float *hi, float *min_pos) {
+    return lane_stats(p, len, STAT_ALL, lo, hi, min_pos);
 }
 
 /* The code of value v at element index i (low 32 bits il, kh = lowbias32((i >> 32) ^ key)):
@@ -946,8 +951,9 @@ int acgc_division_low(const float *x, int64_t planes, int64_t h, int64_t w, int6
 
 /* The residual r = x - upsample(low) of each group of gs <= CHUNK values, quantized and
  * packed as acgc_quant_encode does with float32 metadata (r's tail group padded with
- * r[n-1]); zbits gets x == 0 in the mask layout, stats[0..2] x's min, max and smallest
- * positive value. Returns 0, or 1 when some residual is not finite or a group's range or
+ * r[n-1]); zbits gets x == 0 in the mask layout, stats[0..1] x's min and smallest positive
+ * value (inf if none: where x's max is <= 0). Called after acgc_division_low returned 0
+ * (x finite). Returns 0, or 1 when some residual is not finite or a group's range or
  * inverse is beyond float32 (the caller takes the reference's path). */
 int acgc_division_residual(const float *x, int64_t planes, int64_t h, int64_t w, int64_t blk,
                            int ph, int pw, const float *low, int bits, int64_t gs, uint32_t key,
@@ -956,32 +962,35 @@ int acgc_division_residual(const float *x, int64_t planes, int64_t h, int64_t w,
     int64_t n = planes * h * w, groups = (n + gs - 1) / gs;
     float pad = 0.0f;
     FOR_EACH_WITH_LOW(low, n - 1, 1, h, w, blk, ph, pw, { (void)k; pad = x[n - 1] - lv; });
-    float mn = INFINITY, mx = -INFINITY, mp = INFINITY;
+    float mn = INFINITY, mp = INFINITY;
     int status = 0;
-#pragma omp parallel for schedule(static) num_threads(THREADS(n)) reduction(min : mn, mp) reduction(max : mx) reduction(| : status)
+#pragma omp parallel for schedule(static) num_threads(THREADS(n)) reduction(min : mn, mp) reduction(| : status)
     for (int64_t g = 0; g < groups; g++) {
         int64_t i0 = g * gs, len = n - i0 < gs ? n - i0 : gs;
         const float *p = x + i0;
         float r[CHUNK];
         FOR_EACH_WITH_LOW(low, i0, len, h, w, blk, ph, pw, r[k] = p[k] - lv);
-        float lo, hi, pos, iv, tp;
+        /* x is finite (acgc_division_low declined NaN/inf, their averages not being
+         * finite), so r is finite or +-inf where x - up overflowed, which its min or max
+         * shows; its smallest positive value matters only to a zero-kept group */
+        float lo, hi, pos = INFINITY, iv, tp;
         uint8_t z;
-        if (stats_of(r, len, &lo, &hi, &pos) ||
+        lane_stats(r, len, STAT_MIN | STAT_MAX, &lo, &hi, &pos);
+        if (lo == 0.0f && hi > 0.0f) lane_stats(r, len, STAT_POS, &iv, &iv, &pos);
+        if (lo == -INFINITY || hi == INFINITY ||
             !group_param(lo, hi, pos, bits, 0, out_lo + g, out_scale + g, &iv, &tp, &z)) {
             status = 1;
             continue;
         }
         pack_span(r, len, pad, i0, gs, bits, out_lo[g], iv, tp, z, key,
                   codes + g * (gs * bits / 8));
-        stats_of(p, len, &lo, &hi, &pos);
+        lane_stats(p, len, STAT_MIN | STAT_POS, &lo, &hi, &pos);
         mn = lo < mn ? lo : mn;
-        mx = hi > mx ? hi : mx;
         mp = pos < mp ? pos : mp;
         zero_bits(p, len, zbits + i0 / 8);
     }
     stats[0] = mn;
-    stats[1] = mx;
-    stats[2] = mp;
+    stats[1] = mp;
     return status;
 }
 

@@ -124,13 +124,13 @@ def _encode_fused(
     groups = -(-n // group_size)
     codes = torch.empty(groups * group_size * bits // 8, dtype=torch.uint8)
     lo, scale = torch.empty(groups), torch.empty(groups)
-    zbits, stats = torch.empty((n + 7) // 8, dtype=torch.uint8), torch.empty(3)
+    zbits, stats = torch.empty((n + 7) // 8, dtype=torch.uint8), torch.empty(2)
     if lib.acgc_division_residual(
         xf.data_ptr(), *args, low.data_ptr(), bits, group_size, hash_key(seed), lo.data_ptr(),
         scale.data_ptr(), codes.data_ptr(), zbits.data_ptr(), stats.data_ptr(), threads,
     ):  # fmt: skip
         return None
-    x_min, x_max, min_pos = stats.tolist()
+    x_min, min_pos = stats.tolist()
     payload = {
         "low": low.to(low_dtype),
         "codes": codes,
@@ -141,7 +141,7 @@ def _encode_fused(
         "exc_idx": torch.empty(0, dtype=torch.int64),
         "exc_val": torch.empty(0, dtype=x.dtype),
     }
-    if x_min == 0 and x_max > 0:  # non-negative, with exact zeros: keep the zero pattern
+    if x_min == 0 and min_pos < math.inf:  # >= 0, zeros and a value > 0: the zero pattern
         payload["zero_mask"] = zbits
         payload["min_pos"] = torch.tensor([min_pos], dtype=torch.float32)
     return payload
