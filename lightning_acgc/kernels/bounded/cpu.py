@@ -38,11 +38,13 @@ def _supported(dtype: torch.dtype) -> bool:
 
 def _offsets(width: torch.Tensor, group_size: int) -> tuple[torch.Tensor, int]:
     """Byte offset of each group's codes, and the bytes of all codes (the format's
-    cumsum of the coded widths)."""
-    w = width.to(torch.int64) * (width != RAW_WIDTH)
-    ends = torch.cumsum(w, 0)
-    total = int(ends[-1]) if ends.numel() else 0
-    return ((ends - w) * (group_size // 8)).contiguous(), total * (group_size // 8)
+    cumsum of the coded widths, in C: a few torch ops on the G widths cost more)."""
+    width = width.contiguous()
+    offsets = torch.empty(width.numel(), dtype=torch.int64)
+    total = cpu_library().acgc_bounded_offsets(
+        width.data_ptr(), width.numel(), group_size, offsets.data_ptr()
+    )
+    return offsets, total
 
 
 def _zero_group_signs(
@@ -86,9 +88,10 @@ def bounded_encode_cpu(
         xf.data_ptr(), n, group_size, lo.data_ptr(), hi.data_ptr(), min_pos.data_ptr(),
         has_zero.data_ptr(), threads,
     )  # fmt: skip
-    if bad:  # NaN/inf: the reference sets them aside
+    if bad == 1:  # NaN/inf: the reference sets them aside
         return bounded_encode_ref(x, error_bound, group_size, relative)
-    _zero_group_signs(xf, group_size, lo, hi)
+    if bad == 2:  # some group of zeros only
+        _zero_group_signs(xf, group_size, lo, hi)
     eb = abs_bound(lo, hi, None, error_bound, relative)
     kind = _KIND[x.dtype]
     width = torch.empty(groups, dtype=torch.uint8)

@@ -67,6 +67,7 @@ _SIGNATURES = {
     "acgc_intpack_pack": (None, [_P, _I64, _I64, _P, _I32, _P, _I32]),
     "acgc_intpack_unpack": (None, [_P, _I64, _I64, _P, _I32, _P, _I32]),
     "acgc_bounded_stats": (_I32, [_P, _I64, _I64, _P, _P, _P, _P, _I32]),
+    "acgc_bounded_offsets": (_I64, [_P, _I64, _I64, _P]),
     "acgc_bounded_plan": (
         None,
         [_P, _P, _P, _P, _I64, _F64, _I32, _F64, _F64, _F64, _P, _P, _P, _P, _I32],

@@ -424,24 +424,37 @@ void acgc_mask_unpack(const uint8_t *packed, int64_t n, uint8_t *out, int nthrea
 
 /* ---- bounded: group statistics and the per-group plan (bounded/plan.py) ---- */
 
-/* Per group of gs values (the tail short): min, max and smallest positive value (stats_of;
- * returns 1 on NaN/inf), and has_zero[g] whether it holds an exact 0, scanned (in cache)
- * only for groups with both signs, the only ones whose plan reads it (0 elsewhere). */
+/* Per group of gs values (the tail short): min, max and smallest positive value (stats_of),
+ * and has_zero[g] whether it holds an exact 0, scanned (in cache) only for groups with both
+ * signs, the only ones whose plan reads it (0 elsewhere). Returns 1 on NaN/inf, else 2 if
+ * some group holds only zeros (whose signs the caller takes from torch), else 0. */
 int acgc_bounded_stats(const float *x, int64_t n, int64_t gs, float *lo, float *hi,
                        float *min_pos, uint8_t *has_zero, int nthreads) {
     int64_t groups = (n + gs - 1) / gs;
-    int bad = 0;
-#pragma omp parallel for schedule(static) num_threads(THREADS(n)) reduction(| : bad)
+    int bad = 0, zeros = 0;
+#pragma omp parallel for schedule(static) num_threads(THREADS(n)) reduction(| : bad, zeros)
     for (int64_t g = 0; g < groups; g++) {
         const float *p = x + g * gs;
         int64_t len = (g + 1) * gs <= n ? gs : n - g * gs;
         bad |= stats_of(p, len, lo + g, hi + g, min_pos + g);
+        zeros |= lo[g] == 0.0f && hi[g] == 0.0f;
         int z = 0;
         if (lo[g] < 0.0f && hi[g] > 0.0f)
             for (int64_t i = 0; i < len; i++) z |= p[i] == 0.0f;
         has_zero[g] = (uint8_t)z;
     }
-    return bad;
+    return bad ? 1 : zeros ? 2 : 0;
+}
+
+/* The byte offset of each group's codes (off[g]: the coded widths of the groups before g,
+ * times gs / 8; raw groups, width 255, take none); returns the bytes of all codes. */
+int64_t acgc_bounded_offsets(const uint8_t *width, int64_t groups, int64_t gs, int64_t *off) {
+    int64_t total = 0;
+    for (int64_t g = 0; g < groups; g++) {
+        off[g] = total;
+        total += width[g] == 255 ? 0 : width[g] * (gs / 8);
+    }
+    return total;
 }
 
 /* plan.py's _ulp: the spacing of a format with mant mantissa bits and smallest normal
