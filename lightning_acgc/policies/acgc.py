@@ -38,15 +38,9 @@ loose upper bound). A measurement above e is logged as ``tightened`` = 1. With
 
 Noise-relative budget (``noise_ratio`` ρ): see :mod:`lightning_acgc.policies.acgc_noise`.
 
-The tensors saved outside every module's forward (the loss's: cross-entropy's
-log-probabilities, saved in ``training_step`` after the model ran) are kept as they are.
-An error there enters the output gradient δ = p − y itself, and so every layer's
-gradient in the same proportion; relative to δ it grows as the model gets confident
-(an error ε in log p gives p·ε against 1 − p), so no fixed width holds it, and no
-module's scope contains it for the per-layer corrections to tighten. Compressed at 7
-bits on the ResNet recipe, its error was blamed on the blocks, whose floors rose to 6-8
-bits; kept (320 values), acgc's ratio at e = 0.05 went from 1.8-3.1x to 3.8-4.0x over
-20 verified steps (3 seeds).
+Tensors saved outside every module (the loss's log-probabilities) are kept: their error
+enters δ = p − y, so every layer's gradient, and no module's scope holds it (compressed,
+it was blamed on the blocks: quick ResNet at e = 0.05, 1.8-3.1x; kept, 3.8-4.0x).
 
 Cost (``calib_ms``): the extra passes (exact, halves) and the policy's own statistics on a
 calibration step, host time; ``calib_share``: that over ``calibrate_every`` ordinary
