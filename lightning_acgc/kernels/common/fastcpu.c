@@ -913,58 +913,48 @@ int acgc_division_low(const float *x, int64_t planes, int64_t h, int64_t w, int6
     return status;
 }
 
-/* Runs BODY for each flat element i_start + k (k < len) of the (planes, h, w) view, with
- * lv the value of low over it: row by row, and along a row tile by tile (pw) or element by
- * element (no division per element or per tile). */
-#define FOR_EACH_WITH_LOW(low, i_start, len, h, w, blk, ph, pw, BODY)                        \
-    do {                                                                                      \
-        int64_t ho_ = ph ? (h + blk - 1) / blk : h, wo_ = pw ? (w + blk - 1) / blk : w;      \
-        int64_t i_ = (i_start), end_ = (i_start) + (len), col_ = i_ % w, rr_ = i_ / w;        \
-        int64_t k0_ = 0, row_ = rr_ % h, pl_ = rr_ / h; /* divisions once, then counters */   \
-        int64_t trow_ = ph ? row_ / blk : row_, rin_ = ph ? row_ % blk : 0;                  \
-        while (i_ < end_) {                                                                   \
-            int64_t seg_ = w - col_ < end_ - i_ ? w - col_ : end_ - i_;                       \
-            const float *lrow_ = (low) + (pl_ * ho_ + trow_) * wo_;                           \
-            if (pw && blk == 8 && col_ % 8 == 0 && seg_ % 8 == 0) { /* the default block */ \
-                const float *ltile_ = lrow_ + col_ / 8;                                       \
-                for (int64_t q_ = 0; q_ < seg_ / 8; q_++) {                                   \
-                    float lv = ltile_[q_];                                                    \
-                    for (int64_t k = k0_ + 8 * q_; k < k0_ + 8 * q_ + 8; k++) {               \
-                        BODY;                                                                 \
-                    }                                                                         \
-                }                                                                             \
-            } else if (pw) {                                                                  \
-                int64_t tile_ = col_ / blk, t_ = 0;                                           \
-                while (t_ < seg_) {                                                           \
-                    int64_t stop_ = (tile_ + 1) * blk - col_;                                 \
-                    stop_ = stop_ < seg_ ? stop_ : seg_;                                      \
-                    float lv = lrow_[tile_++];                                                \
-                    for (int64_t k = k0_ + t_; k < k0_ + stop_; k++) {                        \
-                        BODY;                                                                 \
-                    }                                                                         \
-                    t_ = stop_;                                                               \
-                }                                                                             \
-            } else {                                                                          \
-                const float *lcol_ = lrow_ + col_ - k0_;                                      \
-                for (int64_t k = k0_; k < k0_ + seg_; k++) {                                  \
-                    float lv = lcol_[k];                                                      \
-                    BODY;                                                                     \
-                }                                                                             \
-            }                                                                                 \
-            k0_ += seg_;                                                                      \
-            i_ += seg_;                                                                       \
-            col_ = 0;                                                                         \
-            if (++row_ == h) { /* the next plane */                                           \
-                row_ = rin_ = trow_ = 0;                                                      \
-                pl_++;                                                                        \
-            } else if (!ph) {                                                                 \
-                trow_++;                                                                      \
-            } else if (++rin_ == blk) { /* the next tile row */                               \
-                rin_ = 0;                                                                     \
-                trow_++;                                                                      \
-            }                                                                                 \
-        }                                                                                     \
-    } while (0)
+/* up[k] = the value of low over flat element i0 + k (k < len) of the (planes, h, w) view:
+ * row by row, and along a row tile by tile (pw) or element by element (no division per
+ * element or per tile); the callers then add or subtract up in loops that vectorize. */
+static void upsample_span(const float *low, int64_t i0, int64_t len, int64_t h, int64_t w,
+                          int64_t blk, int ph, int pw, float *up) {
+    int64_t ho = ph ? (h + blk - 1) / blk : h, wo = pw ? (w + blk - 1) / blk : w;
+    int64_t i = i0, end = i0 + len, col = i % w, rr = i / w;
+    int64_t k0 = 0, row = rr % h, pl = rr / h; /* divisions once, then counters */
+    int64_t trow = ph ? row / blk : row, rin = ph ? row % blk : 0;
+    while (i < end) {
+        int64_t seg = w - col < end - i ? w - col : end - i;
+        const float *lrow = low + (pl * ho + trow) * wo;
+        float *u = up + k0;
+        if (pw && blk == 8 && col % 8 == 0 && seg % 8 == 0) { /* the default block */
+            const float *ltile = lrow + col / 8;
+            for (int64_t q = 0; q < seg / 8; q++)
+                for (int k = 0; k < 8; k++) u[8 * q + k] = ltile[q];
+        } else if (pw) {
+            int64_t tile = col / blk, t = 0;
+            while (t < seg) {
+                int64_t stop = (tile + 1) * blk - col;
+                stop = stop < seg ? stop : seg;
+                float lv = lrow[tile++];
+                for (; t < stop; t++) u[t] = lv;
+            }
+        } else {
+            memcpy(u, lrow + col, (size_t)seg * 4);
+        }
+        k0 += seg;
+        i += seg;
+        col = 0;
+        if (++row == h) { /* the next plane */
+            row = rin = trow = 0;
+            pl++;
+        } else if (!ph) {
+            trow++;
+        } else if (++rin == blk) { /* the next tile row */
+            rin = 0;
+            trow++;
+        }
+    }
+}
 
 /* The residual r = x - upsample(low) of each group of gs <= CHUNK values, quantized and
  * packed as acgc_quant_encode does with float32 metadata (r's tail group padded with
@@ -977,8 +967,9 @@ int acgc_division_residual(const float *x, int64_t planes, int64_t h, int64_t w,
                            float *out_lo, float *out_scale, uint8_t *codes, uint8_t *zbits,
                            float *stats, int nthreads) {
     int64_t n = planes * h * w, groups = (n + gs - 1) / gs;
-    float pad = 0.0f;
-    FOR_EACH_WITH_LOW(low, n - 1, 1, h, w, blk, ph, pw, { (void)k; pad = x[n - 1] - lv; });
+    float pad;
+    upsample_span(low, n - 1, 1, h, w, blk, ph, pw, &pad);
+    pad = x[n - 1] - pad;
     float mn = INFINITY, mp = INFINITY;
     int status = 0;
 #pragma omp parallel for schedule(static) num_threads(THREADS(n)) reduction(min : mn, mp) reduction(| : status)
@@ -986,7 +977,8 @@ int acgc_division_residual(const float *x, int64_t planes, int64_t h, int64_t w,
         int64_t i0 = g * gs, len = n - i0 < gs ? n - i0 : gs;
         const float *p = x + i0;
         float r[CHUNK];
-        FOR_EACH_WITH_LOW(low, i0, len, h, w, blk, ph, pw, r[k] = p[k] - lv);
+        upsample_span(low, i0, len, h, w, blk, ph, pw, r);
+        for (int64_t k = 0; k < len; k++) r[k] = p[k] - r[k];
         /* x is finite (acgc_division_low declined NaN/inf, their averages not being
          * finite), so r is finite or +-inf where x - up overflowed, which its min or max
          * shows; its smallest positive value matters only to a zero-kept group */
@@ -1023,7 +1015,9 @@ void acgc_division_decode(const uint8_t *codes, int64_t planes, int64_t h, int64
         int64_t i0 = g * gs, len = n - i0 < gs ? n - i0 : gs;
         float *o = out + i0;
         unpack_group(codes + g * (gs * bits / 8), len, gs, bits, lo[g], step[g], zk[g], o);
-        FOR_EACH_WITH_LOW(low, i0, len, h, w, blk, ph, pw, o[k] = o[k] + lv);
+        float up[CHUNK];
+        upsample_span(low, i0, len, h, w, blk, ph, pw, up);
+        for (int64_t k = 0; k < len; k++) o[k] = o[k] + up[k];
         finish_chunk(o, len, fmax, zmask ? zmask + i0 / 8 : 0, min_pos);
     }
 }
