@@ -668,33 +668,36 @@ void acgc_bounded_pack(const float *x, int64_t n, int64_t gs, const uint8_t *wid
         for (int64_t c0 = 0; c0 < gs; c0 += CHUNK) {
             int64_t m = gs - c0 < CHUNK ? gs - c0 : CHUNK;
             int64_t valid = len - c0 < m ? (len - c0 > 0 ? len - c0 : 0) : m;
-            for (int64_t j = 0; j < m; j++) xv[j] = j < valid ? x[base + c0 + j] : x[n - 1];
+            const float *xs = x + base + c0;
+            if (valid < m) { /* the tail group: padded with x[n - 1] */
+                for (int64_t j = 0; j < m; j++) xv[j] = j < valid ? xs[j] : x[n - 1];
+                xs = xv;
+            }
+            uint32_t qi[CHUNK];
             for (int64_t j = 0; j < m; j++) {
-                float v = xv[j];
+                float v = xs[j];
                 float r = rintf((v - l) / div) + zf;
                 q[j] = (zk & (v == 0.0f)) ? 0.0f : r;
+                qi[j] = (uint32_t)q[j];
             }
-            if (w > 0) { /* m is a multiple of 8: each chunk starts on a byte */
-                uint32_t qi[CHUNK];
-                for (int64_t j = 0; j < m; j++) qi[j] = (uint32_t)q[j];
+            if (w > 0) /* m is a multiple of 8: each chunk starts on a byte */
                 pack_codes(qi, m, w, out + c0 / 8 * w);
-            }
             if (check) {
                 int32_t cnt = 0;
                 if (kind == 0) { /* float32 output: no rounding to a 16-bit kind */
                     for (int64_t j = 0; j < valid; j++)
-                        cnt += !(fabsf(bounded_value(q[j], l, s, zk, top) - xv[j]) < eb32);
+                        cnt += !(fabsf(bounded_value(q[j], l, s, zk, top) - xs[j]) < eb32);
                 } else {
                     for (int64_t j = 0; j < valid; j++) {
                         float d = round_kind(bounded_value(q[j], l, s, zk, top), kind);
-                        cnt += !(fabsf(d - xv[j]) < eb32);
+                        cnt += !(fabsf(d - xs[j]) < eb32);
                     }
                 }
                 bad += cnt;
                 if (cnt && flags) {
                     for (int64_t j = 0; j < valid; j++) {
                         float d = round_kind(bounded_value(q[j], l, s, zk, top), kind);
-                        if (!(fabsf(d - xv[j]) < eb32)) flags[base + c0 + j] = 1;
+                        if (!(fabsf(d - xs[j]) < eb32)) flags[base + c0 + j] = 1;
                     }
                 }
             }
