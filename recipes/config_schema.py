@@ -40,6 +40,7 @@ class CompressionSchema:
     coalesce_min_numel: int | None = MISSING
     compress_masks: bool = MISSING
     strict: bool = MISSING
+    compress_loss: bool = MISSING
     seed: int = MISSING
     print_table: bool = MISSING
     scale_batch_size: str | None = MISSING

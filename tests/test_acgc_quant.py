@@ -81,8 +81,8 @@ def test_one_bit_and_mixed_widths_round_trip_through_the_engine() -> None:
         compressed_step(engine, model, lambda: model(x).square().mean(), step=5)
         settings = {k: r.settings for k, r in engine.stats.sites.items()}
         assert settings["1:0"] == "bits=1" and settings["3:0"] == "bits=2", settings
-        # the loss's square(), outside every module, is kept by the policy whatever its width
-        assert engine.stats.sites[":0"].settings == "policy", settings
+        # the loss's square(), outside every module, is kept by the engine whatever its width
+        assert engine.stats.sites[":0"].settings == "loss", settings
         assert sorted({p.meta["bits"] for p in engine.packed_log if p.codec == "quant"}) == [
             1,
             2,
@@ -91,49 +91,6 @@ def test_one_bit_and_mixed_widths_round_trip_through_the_engine() -> None:
         assert all(torch.isfinite(p.grad).all() for p in model.parameters())
     finally:
         engine.remove()
-
-
-class _Scaled(nn.Module):
-    """A linear layer whose forward also runs a functional op of the root module."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(64, 64)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.fc(x))  # saved inside the root's forward: site ":0"
-
-
-def test_the_losss_own_tensors_are_kept_and_the_models_are_not() -> None:
-    """A tensor saved outside every module's forward (the loss's: cross-entropy's
-    log-probabilities) is kept by acgc; one saved by the root module's own forward is
-    compressed like any other."""
-    torch.manual_seed(0)
-    model = _Scaled()
-    x, y = torch.randn(256, 64), torch.randint(0, 64, (256,))
-    policy = ACGCPolicy(gradient_error=0.3, warmup_steps=1, calibrate_every=1000)
-    engine = ActivationCompressor(policy, model=model, settings=EngineSettings(min_numel=0))
-    engine.install()
-    policy.setup(model)
-    try:
-        for step in range(3):
-            model.zero_grad()
-            loss = lambda: nn.functional.cross_entropy(model(x), y)
-            compressed_step(engine, model, loss, step=step)
-        sites = engine.stats.sites
-        # (the integer targets go to intpack, lossless, whatever the policy)
-        outside = [
-            k
-            for k, r in sites.items()
-            if not r.module and not r.module_type and r.dtype == "float32"
-        ]
-        assert len(outside) == 3 and all(sites[k].codec == "kept" for k in outside), sites
-        assert all(sites[k].settings == "policy" for k in outside if sites[k].shared_with is None)
-        assert sites[":0"].module_type == "_Scaled" and sites[":0"].codec == "quant", sites
-        assert ":1" not in policy.site_bits  # no width is allocated to what is kept
-    finally:
-        engine.remove()
-        policy.teardown()
 
 
 def _deep_mlp() -> nn.Module:

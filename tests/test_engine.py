@@ -14,7 +14,9 @@ from tests._models import ResidualCNN, TransformerBlock, loss_of
 
 
 def _probe_hooks_inactive() -> bool:
-    """True when no saved-tensor hooks of ours are active: a fresh graph saves raw tensors."""
+    """True when no saved-tensor hooks of ours are active: a fresh graph saves raw tensors
+    (with ``compress_loss``: the probe's op runs outside the model, where tensors are
+    kept by default)."""
     x = torch.randn(2000, requires_grad=True) * 1.0  # not a leaf: never a "parameter"
     y = x.sin()
     return y.grad_fn._saved_self.data_ptr() == x.data_ptr()
@@ -39,6 +41,41 @@ def test_parameters_integers_tiny_kept_bool_masked() -> None:
     assert lin.weight.grad is not None and x.grad is None
 
 
+class _Tanh(nn.Module):
+    """A linear layer whose forward also runs a functional op of the root module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))  # saved inside the root's forward: site ":0"
+
+
+@pytest.mark.parametrize("compress_loss", [False, True])
+def test_the_losss_own_tensors_are_kept_unless_asked(compress_loss: bool) -> None:
+    """What the loss saves outside every module's forward (cross-entropy's
+    log-probabilities) is kept by default, whatever the policy; what the root module's
+    own forward saves is compressed like the rest."""
+    torch.manual_seed(0)
+    model = _Tanh()
+    x, y = torch.randn(256, 64), torch.randint(0, 64, (256,))
+    with compress_activations(
+        codec="quant", bits=2, model=model, compress_loss=compress_loss
+    ) as stats:
+        nn.functional.cross_entropy(model(x), y).backward()
+    outside = [r for r in stats.sites.values() if not r.module_type and r.dtype == "float32"]
+    assert outside, stats.sites
+    first = [r for r in outside if r.shared_with is None and r.settings != "tiny"]
+    assert first, outside
+    if compress_loss:
+        assert all(r.codec == "quant" for r in first), outside
+    else:
+        assert all(r.codec == "kept" and r.settings == "loss" for r in first), outside
+    assert stats.sites[":0"].module_type == "_Tanh" and stats.sites[":0"].codec == "quant"
+    assert stats.sites["fc:0"].codec == "quant"
+
+
 def test_cpu_dropout_mask_round_trips_exactly() -> None:
     """CPU dropout saves a float mask {0, 1/(1-p)}: quant keeps it exact at any bits."""
     h = torch.randn(128, 64, requires_grad=True)
@@ -47,14 +84,15 @@ def test_cpu_dropout_mask_round_trips_exactly() -> None:
     exact = h.grad.clone()
     h.grad = None
     torch.manual_seed(1)
-    with compress_activations(codec="quant", bits=1):
+    with compress_activations(codec="quant", bits=1, compress_loss=True):  # no module
         nn.functional.dropout(h, 0.3).sum().backward()
     assert torch.equal(h.grad, exact)
 
 
 def test_same_tensor_saved_twice_is_packed_once() -> None:
     x = torch.randn(4096, requires_grad=True)
-    with compress_activations(codec="quant", bits=8, keep_packed=True) as stats:
+    # (no module: the ops stand in for a model's, so the loss rule is off)
+    with compress_activations(codec="quant", bits=8, keep_packed=True, compress_loss=True) as stats:
         y = x * 2
         (y * y).sum().backward()  # mul saves y twice (self and other)
     assert stats.tensors_packed == 1
@@ -74,10 +112,11 @@ def test_tensor_saved_by_two_ops_is_decoded_once(monkeypatch: pytest.MonkeyPatch
     x = torch.randn(128, 64)
     with compress_activations(codec="quant", bits=8, model=model) as stats:
         model(x).square().sum().backward()
-    # packed: the input, the ReLU output (shared with the second Linear), the output
-    # (saved by square); four saves, three decodes
-    assert stats.tensors_packed == 3
-    assert len(decodes) == 3
+    # packed: the input, the ReLU output (shared with the second Linear); the output,
+    # saved by the loss's square outside the model, is kept: four saves, two decodes
+    assert stats.tensors_packed == 2
+    assert len(decodes) == 2
+    assert [r.settings for r in stats.sites.values() if not r.module] == ["loss"]
     shared = [r for r in stats.sites.values() if r.shared_with is not None]
     assert [r.module for r in shared] == ["2"]
 
@@ -127,13 +166,13 @@ def test_without_model_sites_are_named_by_type() -> None:
 
 def test_hooks_are_removed_on_exit_and_on_exception() -> None:
     model = ResidualCNN()
-    with compress_activations(codec="quant", model=model):
+    with compress_activations(codec="quant", model=model, compress_loss=True):
         assert not _probe_hooks_inactive()
     assert _probe_hooks_inactive()
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
     with (
         pytest.raises(RuntimeError, match="boom"),
-        compress_activations(codec="quant", model=model),
+        compress_activations(codec="quant", model=model, compress_loss=True),
     ):
         raise RuntimeError("boom")
     assert _probe_hooks_inactive()
@@ -207,11 +246,11 @@ def test_failing_codec_keeps_tensor_and_warns_unless_strict() -> None:
     x = torch.randn(4096, requires_grad=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with compress_activations(policy=Broken(), codec="quant") as stats:
+        with compress_activations(policy=Broken(), codec="quant", compress_loss=True) as stats:
             (x * 1.0).sin().sum().backward()
     assert torch.allclose(x.grad, x.detach().cos())
     assert stats.tensors_kept == 1 and any("codec bug" in str(w.message) for w in caught)
-    strict = EngineSettings(strict=True)
+    strict = EngineSettings(strict=True, compress_loss=True)
     with (
         pytest.raises(RuntimeError, match="codec bug"),
         compress_activations(policy=Broken(), settings=strict),

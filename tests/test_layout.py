@@ -39,9 +39,9 @@ VIEWS: dict[str, Callable[[], torch.Tensor]] = {
 def _engine(options: dict) -> ActivationCompressor:
     options = dict(options)
     spec = CodecSpec(options.pop("codec"), options)
-    return ActivationCompressor(
-        FixedPolicy(spec), settings=EngineSettings(min_numel=0, strict=True)
-    )
+    # _pack is called outside any module: compress_loss, or every float would be kept
+    settings = EngineSettings(min_numel=0, strict=True, compress_loss=True)
+    return ActivationCompressor(FixedPolicy(spec), settings=settings)
 
 
 @pytest.mark.parametrize("codec", sorted(CODECS))

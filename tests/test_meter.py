@@ -155,7 +155,8 @@ def test_saved_bytes_are_the_distinct_storages_autograd_holds(name: str) -> None
 def test_a_packed_form_not_smaller_is_not_used() -> None:
     """8-bit quant of a tiny bf16 tensor with group metadata is larger than the tensor."""
     x = torch.randn(2, 4, requires_grad=True, dtype=torch.bfloat16) * 1.0
-    with compress_activations(codec="quant", bits=8, group_size=8, min_numel=0) as stats:
+    settings = {"min_numel": 0, "compress_loss": True}  # sin() runs outside any module
+    with compress_activations(codec="quant", bits=8, group_size=8, **settings) as stats:
         y = x.sin()
     y.float().sum().backward()
     (rec,) = stats.sites.values()

@@ -16,6 +16,7 @@ from torch import nn
 from lightning_acgc.codecs.base import Codec, Packed
 from lightning_acgc.codecs.intpack import IntPackCodec, IntPackConfig
 from lightning_acgc.codecs.mask import MaskCodec, MaskConfig
+from lightning_acgc.engine import sites
 from lightning_acgc.engine.coalesce import Chunk, Coalescer, Member
 from lightning_acgc.engine.layout import Layout, compact, restore
 from lightning_acgc.engine.ledger import Ledger, storage_ref
@@ -121,7 +122,7 @@ class ActivationCompressor:
         policy: chooses each site's codec (see :class:`lightning_acgc.policies.Policy`).
         model: the model whose modules name the sites; ``None`` names them by type and
             order of appearance (any module run by this thread).
-        settings: ``min_numel``, ``seed``, ``compress_masks``, ``strict`` (see
+        settings: ``min_numel``, ``seed``, ``compress_masks``, ``strict`` and the rest (see
             :class:`EngineSettings`; default: its defaults).
         keep_packed: keep every :class:`Packed` of the step in ``packed_log`` (tests).
         memory_budget: bytes; packing a tensor that would take the live saved bytes
@@ -153,6 +154,7 @@ class ActivationCompressor:
         self.coalesce_min = settings.coalesce_min_numel
         self.seed = settings.seed
         self.compress_masks = settings.compress_masks
+        self.compress_loss = settings.compress_loss
         self.strict = settings.strict
         self.memory_budget = memory_budget
         self.budget_base = budget_base
@@ -330,14 +332,7 @@ class ActivationCompressor:
         # and the view: a Linear on a 3-D input saves a fresh 2-D view each call, so the
         # q, k and v projections of one hidden state share one holder.
         ref = storage_ref(t)  # one weak reference per pack: key, ledger and dedup share it
-        key = (
-            ref.cdata,
-            t.storage_offset(),
-            tuple(t.shape),
-            t.stride(),
-            t.dtype,
-            t._version,
-        )
+        key = (ref.cdata, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
         raw = self._ledger.count_saved(t, ref)
         # A tensor already taken this step is shared, whatever this site would choose.
         refs = self._dedup.get(key)
@@ -363,6 +358,8 @@ class ActivationCompressor:
             small = t.numel() < self.min_numel
             if small and (self.coalesce_min is None or t.numel() < self.coalesce_min):
                 return self._keep(site, t, key, ref, raw, "tiny")
+            if not self.compress_loss and sites.outside_every_module(site):
+                return self._keep(site, t, key, ref, raw, "loss")
             codec = self.policy.codec_for(site, t)
             if codec is None:
                 return self._keep(site, t, key, ref, raw, "policy")

@@ -82,6 +82,8 @@ class ActivationCompression(Callback):
         seed: base seed of the codecs' random numbers (never the global RNG).
         compress_masks: bool tensors (dropout masks) go to the lossless ``mask`` codec.
         strict: re-raise codec errors instead of keeping the tensor uncompressed.
+        compress_loss: also compress the loss's tensors, saved outside every module
+            (kept by default: :class:`~lightning_acgc.engine.EngineSettings`).
         print_table: print the per-site table at fit end (rank zero): ``True`` the
             largest sites, why tensors stayed raw and the total; ``"full"`` every site.
         scale_batch_size: ``"power"``, ``"binsearch"``, a
@@ -140,6 +142,7 @@ class ActivationCompression(Callback):
         seed: int = 0,
         compress_masks: bool = True,
         strict: bool = False,
+        compress_loss: bool = False,
         print_table: bool | str = True,
         scale_batch_size: str | CompressedBatchSizeFinder | None = None,
         memory_budget: int | str | None = None,
@@ -153,11 +156,9 @@ class ActivationCompression(Callback):
             raise ValueError(f"print_table={print_table!r} must be True, False or 'full'")
         self.print_table = print_table
         self.batch_size_finder = self._make_finder(scale_batch_size, lr_scaling)
-        self._driver = CalibrationDriver(
-            self.policy,
-            EngineSettings(min_numel, seed, bool(compress_masks), bool(strict), coalesce_min_numel),
-            parse_memory(memory_budget),
-        )
+        engine = (min_numel, seed, bool(compress_masks), bool(strict), coalesce_min_numel)
+        settings = EngineSettings(*engine, compress_loss=bool(compress_loss))
+        self._driver = CalibrationDriver(self.policy, settings, parse_memory(memory_budget))
         self._search_logged = False
 
     def _make_finder(

@@ -38,9 +38,9 @@ loose upper bound). A measurement above e is logged as ``tightened`` = 1. With
 
 Noise-relative budget (``noise_ratio`` ρ): see :mod:`lightning_acgc.policies.acgc_noise`.
 
-Tensors saved outside every module (the loss's log-probabilities) are kept: their error
-enters δ = p − y, so every layer's gradient, and no module's scope holds it (compressed,
-it was blamed on the blocks: quick ResNet at e = 0.05, 1.8-3.1x; kept, 3.8-4.0x).
+The engine keeps the loss's tensors (``EngineSettings.compress_loss``): their error enters
+δ = p − y, so every layer's gradient, and no module's scope holds it (compressed, it was
+blamed on the blocks: quick ResNet at e = 0.05, 1.8-3.1x; kept, 3.8-4.0x).
 
 Cost (``calib_ms``): the extra passes (exact, halves) and the policy's own statistics on a
 calibration step, host time; ``calib_share``: that over ``calibrate_every`` ordinary
@@ -61,7 +61,7 @@ from lightning_acgc.codecs.base import Codec
 from lightning_acgc.codecs.quant import QuantWidthConfig
 from lightning_acgc.codecs.spec import CodecSpec
 from lightning_acgc.engine.meter import SiteRecord
-from lightning_acgc.engine.sites import SiteInfo, outside_every_module
+from lightning_acgc.engine.sites import SiteInfo
 from lightning_acgc.kernels.quant import stored_meta
 from lightning_acgc.policies._acgc_stats import module_norms, per_module_sq, reduce_tables
 from lightning_acgc.policies._schedule import check_int
@@ -224,8 +224,6 @@ class ACGCPolicy(ACGCState, NoiseBudget, ScopeFloors, ModelCorrections, Calibrat
 
     # -- codecs ---------------------------------------------------------------
     def codec_for(self, site: SiteInfo, x: torch.Tensor) -> Codec | None:
-        if outside_every_module(site):
-            return None  # the loss's own tensors: their error reaches every layer
         if self._calibrating:
             start = time.perf_counter()
             if site.module_type in NORM_TYPES:
