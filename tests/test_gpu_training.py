@@ -16,7 +16,7 @@ from lightning_acgc import ActivationCompression, compress_activations
 from lightning_acgc.policies import available_policies
 from tests._lightning_models import TinyCNN, fit, module_hook_count, saved_tensors_hooks_active
 from tests._models import ARCHITECTURES, ResidualCNN, loss_of
-from tests.test_gradients import _grad
+from tests.test_gradients import _grad, _seed_runs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -58,14 +58,7 @@ def test_codecs_on_gpu_keep_the_gradient(arch: str) -> None:
         ctx = compress_activations(codec="bounded", error_bound=eb, model=model, min_numel=64)
         errors.append(_rel_err(_grad(model, inputs, ctx), exact))
     assert errors[1] < 1e-2 and errors[1] < errors[0] / 4, errors
-    runs = [
-        _grad(
-            model,
-            inputs,
-            compress_activations(codec="quant", bits=2, model=model, min_numel=64, seed=s),
-        )
-        for s in range(16)
-    ]
+    runs = _seed_runs(model, inputs, 16)
     assert _rel_err(torch.stack(runs).mean(0), exact) < _rel_err(runs[0], exact)
     division = compress_activations(codec="division", model=model, min_numel=64)
     assert math.isfinite(_rel_err(_grad(model, inputs, division), exact))

@@ -30,6 +30,18 @@ def _grad(model: nn.Module, inputs: object, ctx: contextlib.AbstractContextManag
     return torch.cat([g.flatten() for g in grads])
 
 
+def _seed_runs(model: nn.Module, inputs: object, seeds: int) -> list[torch.Tensor]:
+    """The gradient under 2-bit quant for each codec seed 0..seeds-1."""
+    return [
+        _grad(
+            model,
+            inputs,
+            compress_activations(codec="quant", bits=2, model=model, min_numel=64, seed=s),
+        )
+        for s in range(seeds)
+    ]
+
+
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=0).item()
 
@@ -70,14 +82,7 @@ def test_quant_8bit_cosine(arch: str) -> None:
 def test_quant_2bit_unbiased_over_seeds(arch: str) -> None:
     model, inputs = _model(arch)
     exact = _grad(model, inputs)
-    runs = [
-        _grad(
-            model,
-            inputs,
-            compress_activations(codec="quant", bits=2, model=model, min_numel=64, seed=s),
-        )
-        for s in range(32)
-    ]
+    runs = _seed_runs(model, inputs, 32)
     single = _cos(runs[0], exact)
     mean = _cos(torch.stack(runs).mean(0), exact)
     assert mean >= 0.98, (single, mean)
