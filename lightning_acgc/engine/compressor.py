@@ -16,7 +16,6 @@ from torch import nn
 from lightning_acgc.codecs.base import Codec, Packed
 from lightning_acgc.codecs.intpack import IntPackCodec, IntPackConfig
 from lightning_acgc.codecs.mask import MaskCodec, MaskConfig
-from lightning_acgc.engine import sites
 from lightning_acgc.engine.coalesce import Chunk, Coalescer, Member
 from lightning_acgc.engine.layout import Layout, compact, restore
 from lightning_acgc.engine.ledger import Ledger, storage_ref
@@ -358,7 +357,7 @@ class ActivationCompressor:
             small = t.numel() < self.min_numel
             if small and (self.coalesce_min is None or t.numel() < self.coalesce_min):
                 return self._keep(site, t, key, ref, raw, "tiny")
-            if not self.compress_loss and sites.outside_every_module(site):
+            if not self.compress_loss and site.outside_every_module:
                 return self._keep(site, t, key, ref, raw, "loss")
             codec = self.policy.codec_for(site, t)
             if codec is None:

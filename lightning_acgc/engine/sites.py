@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["ModuleTracker", "SiteInfo", "outside_every_module"]
+__all__ = ["ModuleTracker", "SiteInfo"]
 
 
 @dataclass(frozen=True)
@@ -25,17 +25,18 @@ class SiteInfo:
     def key(self) -> str:
         return f"{self.module}:{self.ordinal}"
 
+    @property
+    def outside_every_module(self) -> bool:
+        """Saved while no module's forward ran: the loss and other ops of a training step
+        around the model (inside the root model's forward the site has the root's name ""
+        but its type).
 
-def outside_every_module(site: SiteInfo) -> bool:
-    """Whether the tensor was saved while no module's forward ran: the loss and other
-    ops of a training step around the model (inside the root model's forward the site
-    has the root's name "" but its type).
-
-    Example:
-        >>> outside_every_module(SiteInfo("", "", 0)), outside_every_module(SiteInfo("", "Net", 0))
-        (True, False)
-    """
-    return not site.module and not site.module_type
+        Example:
+            >>> loss, root = SiteInfo("", "", 0), SiteInfo("", "Net", 0)
+            >>> loss.outside_every_module, root.outside_every_module
+            (True, False)
+        """
+        return not self.module and not self.module_type
 
 
 class ModuleTracker:

@@ -156,8 +156,8 @@ class ActivationCompression(Callback):
             raise ValueError(f"print_table={print_table!r} must be True, False or 'full'")
         self.print_table = print_table
         self.batch_size_finder = self._make_finder(scale_batch_size, lr_scaling)
-        engine = (min_numel, seed, bool(compress_masks), bool(strict), coalesce_min_numel)
-        settings = EngineSettings(*engine, compress_loss=bool(compress_loss))
+        first = (min_numel, seed, bool(compress_masks), bool(strict), coalesce_min_numel)
+        settings = EngineSettings(*first, compress_loss=bool(compress_loss))
         self._driver = CalibrationDriver(self.policy, settings, parse_memory(memory_budget))
         self._search_logged = False
 
