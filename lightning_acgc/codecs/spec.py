@@ -18,7 +18,10 @@ def describe_codec(codec: Codec) -> str:
     config = getattr(codec, "config", None)
     if config is None or not dataclasses.is_dataclass(config):
         return ""
-    return " ".join(f"{f.name}={getattr(config, f.name)}" for f in dataclasses.fields(config))
+    text = " ".join(f"{f.name}={getattr(config, f.name)}" for f in dataclasses.fields(config))
+    if getattr(codec, "normalizes_channels", False):
+        text += " per-channel"
+    return text
 
 
 @dataclass

@@ -1,10 +1,17 @@
-"""``fixed``: one codec setting for every site (baseline and ablations)."""
+"""``fixed``: one codec setting for every site (baseline and ablations).
+
+With ``quant``, the inputs of BatchNorm are quantized per channel-normalized value
+(:class:`~lightning_acgc.codecs.channels.ChannelNormalized`, 8 bytes per channel): the
+same bits and groups, but a group's step no longer follows its widest channel. Without
+it fixed 2-bit training of the ResNet recipe diverges (see that module).
+"""
 
 from __future__ import annotations
 
 import torch
 
 from lightning_acgc.codecs.base import Codec
+from lightning_acgc.codecs.channels import ChannelNormalized, is_batch_norm_input
 from lightning_acgc.codecs.spec import CodecSpec
 from lightning_acgc.engine.sites import SiteInfo
 from lightning_acgc.policies.base import Policy
@@ -35,6 +42,10 @@ class FixedPolicy(Policy):
         # the identity codec is the control: the engine compresses nothing, masks and
         # integer tensors included
         self.control = self.codec.name == "identity"
+        quant = self.codec.name == "quant"
+        self.norm_input_codec = ChannelNormalized(self.codec) if quant else self.codec
 
     def codec_for(self, site: SiteInfo, x: torch.Tensor) -> Codec | None:
+        if is_batch_norm_input(site.module_type, x):
+            return self.norm_input_codec
         return self.codec

@@ -4,7 +4,10 @@ On calibration steps each packed tensor gets a weight w_t = c_t · R̄_t², wher
 its gradient sensitivity (:mod:`lightning_acgc.policies.error_model`) and R̄_t² the mean
 squared range of its quantization groups: stochastic rounding with step R/(2^b − 1)
 adds gradient variance proportional to w_t/(2^b − 1)². Bits in {1, 2, 4, 8} then come
-from :func:`lightning_acgc.policies.bit_allocation.allocate_bits`.
+from :func:`lightning_acgc.policies.bit_allocation.allocate_bits`. BatchNorm inputs are
+quantized per channel-normalized value, as in ``fixed``
+(:class:`~lightning_acgc.codecs.channels.ChannelNormalized`); their ranges are still
+measured on the raw values, which overstates their error (more bits, not fewer).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from torch import nn
 
 from lightning_acgc.codecs.base import Codec
+from lightning_acgc.codecs.channels import ChannelNormalized, is_batch_norm_input
 from lightning_acgc.codecs.spec import CodecSpec
 from lightning_acgc.engine.sites import SiteInfo
 from lightning_acgc.kernels.quant import group_view
@@ -80,6 +84,7 @@ class GACTPolicy(CalibratingPolicy):
         self.site_bits: dict[str, int] = {}
         self._range_sq: dict[str, float] = {}
         self._weights: dict[str, deque[tuple[int, float]]] = {}
+        self._norm_input_codecs: dict[int, Codec] = {}
 
     def codec_for(self, site: SiteInfo, x: torch.Tensor) -> Codec | None:
         if self._calibrating:
@@ -87,7 +92,13 @@ class GACTPolicy(CalibratingPolicy):
             span = (hi - lo).nan_to_num(0.0, 0.0, 0.0)
             self._range_sq[site.key] = float(span.double().square().mean())
         bits = self.site_bits.get(site.key, self.default_bits)
-        return self._codec("quant", bits=bits, group_size=self.group_size)
+        codec = self._codec("quant", bits=bits, group_size=self.group_size)
+        if is_batch_norm_input(site.module_type, x):  # as in ``fixed``
+            wrapped = self._norm_input_codecs.get(bits)
+            if wrapped is None:
+                wrapped = self._norm_input_codecs[bits] = ChannelNormalized(codec)
+            return wrapped
+        return codec
 
     def begin_step(self, step: int) -> None:
         super().begin_step(step)
