@@ -26,7 +26,7 @@ import torch
 
 from lightning_acgc.codecs.base import Codec, Packed
 
-__all__ = ["ChannelNormalized", "channel_ranges", "is_batch_norm_input"]
+__all__ = ["ChannelNormalized", "channel_ranges", "is_batch_norm_input", "normalize_channels"]
 
 # Below this half range a channel is passed as it is: 1/s would overflow float32.
 _TINY = 1e-30
@@ -73,6 +73,20 @@ def channel_ranges(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return m.view(shape), s.view(shape)
 
 
+def normalize_channels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, m, s)``: ``y = (x − m)/s`` in fp32 with ``m, s`` from :func:`channel_ranges`
+    (channels with ``s = 0`` give ``y = 0``).
+
+    Example:
+        >>> y, m, s = normalize_channels(torch.tensor([[1.0, -2.0], [3.0, 2.0]]))
+        >>> y.tolist()
+        [[-1.0, -1.0], [1.0, 1.0]]
+    """
+    m, s = channel_ranges(x)
+    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+    return torch.addcmul(-m * inv, x.float(), inv), m, s  # one pass over x
+
+
 class ChannelNormalized:
     """``inner`` applied to each channel's values mapped onto [−1, 1] (see the module
     docstring). Tensors of fewer than two dimensions, empty ones and those the inner
@@ -101,9 +115,7 @@ class ChannelNormalized:
     def encode(self, x: torch.Tensor, seed: int) -> Packed | None:
         if x.dim() < 2 or x.numel() == 0 or not x.is_floating_point():
             return self.inner.encode(x, seed)
-        m, s = channel_ranges(x)
-        inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
-        y = torch.addcmul(-m * inv, x.float(), inv)  # (x − m)/s in one pass, fp32
+        y, m, s = normalize_channels(x)
         packed = self.inner.encode(y, seed)
         if packed is None:
             return None

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from lightning_acgc.codecs.base import Codec
+from lightning_acgc.codecs.channels import ChannelNormalized
 from lightning_acgc.codecs.registry import build_codec
 from lightning_acgc.codecs.spec import CodecSpec
 from lightning_acgc.policies._schedule import is_calibration_step
@@ -46,6 +47,14 @@ class CalibratingPolicy(Policy):
                 codec.backend = self.config.backend  # type: ignore[attr-defined]
             self._codecs[key] = codec
         return codec
+
+    def _norm_input(self, codec: Codec) -> Codec:
+        """``codec`` on channel-normalized values, for a BatchNorm input (built once)."""
+        key = ("channels", id(codec))
+        wrapped = self._codecs.get(key)
+        if wrapped is None:
+            wrapped = self._codecs[key] = ChannelNormalized(codec)
+        return wrapped
 
     def _bounded_for(self, key: str, bounds: dict[str, float], relative: float) -> Codec:
         """``bounded`` with the site's absolute bound, or with ``relative`` (a fraction of

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lightning_acgc.codecs.base import Codec
-from lightning_acgc.codecs.channels import ChannelNormalized, is_batch_norm_input
+from lightning_acgc.codecs.channels import is_batch_norm_input
 from lightning_acgc.codecs.spec import CodecSpec
 from lightning_acgc.engine.sites import SiteInfo
 from lightning_acgc.kernels.quant import group_view
@@ -84,7 +84,6 @@ class GACTPolicy(CalibratingPolicy):
         self.site_bits: dict[str, int] = {}
         self._range_sq: dict[str, float] = {}
         self._weights: dict[str, deque[tuple[int, float]]] = {}
-        self._norm_input_codecs: dict[int, Codec] = {}
 
     def codec_for(self, site: SiteInfo, x: torch.Tensor) -> Codec | None:
         if self._calibrating:
@@ -93,12 +92,7 @@ class GACTPolicy(CalibratingPolicy):
             self._range_sq[site.key] = float(span.double().square().mean())
         bits = self.site_bits.get(site.key, self.default_bits)
         codec = self._codec("quant", bits=bits, group_size=self.group_size)
-        if is_batch_norm_input(site.module_type, x):  # as in ``fixed``
-            wrapped = self._norm_input_codecs.get(bits)
-            if wrapped is None:
-                wrapped = self._norm_input_codecs[bits] = ChannelNormalized(codec)
-            return wrapped
-        return codec
+        return self._norm_input(codec) if is_batch_norm_input(site.module_type, x) else codec
 
     def begin_step(self, step: int) -> None:
         super().begin_step(step)
