@@ -57,12 +57,14 @@ def channel_ranges(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ([2.0, 0.0], [1.0, 2.0])
     """
     n, c = x.shape[0], x.shape[1]
-    x3 = x.detach().reshape(n, c, -1)
-    if x3.shape[2] >= 256:  # large planes: one reduction over both dimensions
-        lo, hi = x3.amin(dim=(0, 2)), x3.amax(dim=(0, 2))
-    else:  # small planes: per plane first (reducing over dimension 0 last is faster)
-        lo, hi = torch.aminmax(x3, dim=2)
+    x = x.detach()
+    plane = x.numel() // max(n * c, 1)
+    if plane < 256 and x.is_contiguous():  # small planes: per plane first, then over n
+        lo, hi = torch.aminmax(x.view(n, c, plane), dim=2)
         lo, hi = lo.amin(dim=0), hi.amax(dim=0)
+    else:  # one reduction over every other dimension (no copy of a strided layout)
+        dims = (0, *range(2, x.dim()))
+        lo, hi = x.amin(dim=dims), x.amax(dim=dims)
     lo, hi = lo.float(), hi.float()
     m = lo / 2 + hi / 2  # halves first: no overflow at ±float32 max
     s = hi / 2 - lo / 2
@@ -84,7 +86,7 @@ def normalize_channels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     """
     m, s = channel_ranges(x)
     inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
-    return torch.addcmul(-m * inv, x.float(), inv), m, s  # one pass over x
+    return torch.addcmul(-m * inv, x, inv), m, s  # one pass over x, fp32 out
 
 
 class ChannelNormalized:
