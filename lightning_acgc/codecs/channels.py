@@ -26,23 +26,10 @@ import torch
 
 from lightning_acgc.codecs.base import Codec, Packed
 
-__all__ = ["ChannelNormalized", "channel_ranges", "is_batch_norm_input", "normalize_channels"]
+__all__ = ["ChannelNormalized", "channel_ranges", "normalize_channels"]
 
 # Below this half range a channel is passed as it is: 1/s would overflow float32.
 _TINY = 1e-30
-
-
-def is_batch_norm_input(module_type: str, x: torch.Tensor) -> bool:
-    """Whether ``x``, saved inside a module of type ``module_type``, is a BatchNorm's
-    input: a floating tensor of at least two dimensions (channels in dimension 1).
-
-    Example:
-        >>> is_batch_norm_input("BatchNorm2d", torch.zeros(2, 3, 4, 4))
-        True
-        >>> is_batch_norm_input("LayerNorm", torch.zeros(2, 3, 4))
-        False
-    """
-    return "BatchNorm" in module_type and x.dim() >= 2 and x.is_floating_point()
 
 
 def channel_ranges(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,9 +121,6 @@ class ChannelNormalized:
             return y
         p = packed.payload
         m, s = p["channel_mid"], p["channel_half_range"]
-        stored = {t.untyped_storage().data_ptr() for t in p.values()}
-        if y.untyped_storage().data_ptr() in stored:  # y is held raw: not in place
-            x = torch.addcmul(m, y, s)
-        else:
-            x = y.mul_(s).add_(m)
+        raw = packed.codec == "identity"  # the inner codec kept y raw: not in place
+        x = torch.addcmul(m, y, s) if raw else y.mul_(s).add_(m)
         return x.to(packed.meta["channel_dtype"])

@@ -25,7 +25,13 @@ import torch
 
 from lightning_acgc.engine.meter import SiteRecord
 
-__all__ = ["NORM_TYPES", "TensorSensitivity", "norm_inv_var", "tensor_sensitivities"]
+__all__ = [
+    "NORM_TYPES",
+    "TensorSensitivity",
+    "is_batch_norm_input",
+    "norm_inv_var",
+    "tensor_sensitivities",
+]
 
 NORM_TYPES = frozenset(
     {
@@ -122,6 +128,19 @@ def tensor_sensitivities(
     return out
 
 
+def is_batch_norm_input(module_type: str, x: torch.Tensor) -> bool:
+    """Whether ``x``, saved inside a module of type ``module_type``, is a BatchNorm's
+    input: a floating tensor of at least two dimensions (channels in dimension 1).
+
+    Example:
+        >>> is_batch_norm_input("BatchNorm2d", torch.zeros(2, 3, 4, 4))
+        True
+        >>> is_batch_norm_input("LayerNorm", torch.zeros(2, 3, 4))
+        False
+    """
+    return "BatchNorm" in module_type and x.dim() >= 2 and x.is_floating_point()
+
+
 def norm_inv_var(x: torch.Tensor, module_type: str) -> float | None:
     """Mean of 1/variance over the groups a normalization normalizes (channels for
     BatchNorm, rows of the last dimension for LayerNorm/RMSNorm, the whole tensor
@@ -132,8 +151,9 @@ def norm_inv_var(x: torch.Tensor, module_type: str) -> float | None:
         >>> round(norm_inv_var(x, "BatchNorm1d"), 1) > 1 / x.var().item()
         True
     """
+    batch_norm = is_batch_norm_input(module_type, x)
     x = x.detach().float()
-    if module_type.startswith(("BatchNorm", "SyncBatchNorm")) and x.dim() >= 2:
+    if batch_norm:
         var = x.transpose(0, 1).reshape(x.shape[1], -1).var(dim=1)
     elif module_type in ("LayerNorm", "RMSNorm") and x.dim() >= 1 and x.shape[-1] > 1:
         var = x.reshape(-1, x.shape[-1]).var(dim=1)

@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 
 from lightning_acgc.codecs.base import Codec
-from lightning_acgc.codecs.channels import ChannelNormalized, is_batch_norm_input
+from lightning_acgc.codecs.channels import ChannelNormalized
 from lightning_acgc.codecs.spec import CodecSpec
 from lightning_acgc.engine.sites import SiteInfo
 from lightning_acgc.policies.base import Policy
+from lightning_acgc.policies.error_model import is_batch_norm_input
 
 __all__ = ["FixedPolicy"]
 

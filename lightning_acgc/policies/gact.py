@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from lightning_acgc.codecs.base import Codec
-from lightning_acgc.codecs.channels import is_batch_norm_input
 from lightning_acgc.codecs.spec import CodecSpec
 from lightning_acgc.engine.sites import SiteInfo
 from lightning_acgc.kernels.quant import group_view
@@ -28,7 +27,7 @@ from lightning_acgc.policies._schedule import check_int
 from lightning_acgc.policies.base import Reduce
 from lightning_acgc.policies.bit_allocation import POW2, allocate_bits
 from lightning_acgc.policies.calibrating import CalibratingPolicy
-from lightning_acgc.policies.error_model import tensor_sensitivities
+from lightning_acgc.policies.error_model import is_batch_norm_input, tensor_sensitivities
 
 __all__ = ["GACTPolicy"]
 
