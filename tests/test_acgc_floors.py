@@ -56,6 +56,26 @@ def test_floors_widen_the_tensors_around_the_layer_over_budget_only() -> None:
         assert LADDER.index(width) == LADDER.index(before[key]) - 1
 
 
+def test_a_floor_loosens_by_its_own_scope_and_its_share_of_the_error() -> None:
+    """Scope 0 sits at 90% of its budget: the floor of ``small`` (1% of the scope's
+    modelled error) loosens, that of ``big`` does not; a module outside the scope at its
+    budget (``head``, whose parent is the root) holds neither. Before, a floor loosened
+    only when every module containing it had room for the step as if its tensor carried
+    the whole error: on the quick ResNet at e = 0.5, 47 floors set by one early miss stayed
+    for good."""
+    policy = _policy()
+    for name in ("big", "small"):
+        policy._floors[f"enc.0.attn:{name}"] = 6
+        policy.site_bits[f"enc.0.attn:{name}"] = 6
+    needs = {"enc.0.attn.q": 0.9, "head": 1.0}
+    policy._update_floors(needs, through_delta={m: 0.5 for m in needs})
+    assert policy._floors == {"enc.0.attn:big": 6, "enc.0.attn:small": 5}
+    # well within budget: both loosen one step
+    policy.site_bits.update(policy._floors)
+    policy._update_floors({"enc.0.attn.q": 0.05, "head": 1.0}, through_delta={})
+    assert policy._floors == {"enc.0.attn:big": 5, "enc.0.attn:small": 4}
+
+
 def _layer_reading(kappa_reading: float) -> ACGCPolicy:
     """One verified calibration of :func:`_policy`'s two scopes: the whole model measured
     ``kappa_reading`` times its modelled error; the query of scope 0 is 4x over its
