@@ -5,10 +5,11 @@ For each codec setting and tensor size (fp32, post-ReLU: about half zeros), time
 so that drift and other load affect all three alike. Prints one JSON line: per setting and
 size the median (and min) of encode and decode as a multiple of the clone's median (min;
 the clone times of every setting with the same input pooled), and GB/s counting bytes
-read plus written. ``mask`` takes ``x > 0``, ``intpack`` int64 max-pool indices of the
-same byte count (:func:`pooling_indices`). Full mode (the default): 4 MB and 64 MB, 9
-rounds; ``--quick``: 4 MB, 5 rounds. ``run_all`` stores the line in
-``benchmarks/results/codecs.jsonl`` and ``report`` makes README's codec table from it.
+read plus written. ``mask`` takes ``x > 0``, ``intpack`` int64 max-pool indices of
+about the same byte count, shaped as the pool saves them (:func:`pooling_indices`). Full
+mode (the default): 4 MB and 64 MB, 9 rounds; ``--quick``: 4 MB, 5 rounds. ``run_all``
+stores the line in ``benchmarks/results/codecs.jsonl`` and ``report`` makes README's codec
+table from it.
 
     python -m benchmarks.codecs [--quick] [--sizes-mb 4 64] [--rounds 9] [--threads 2]
 """
@@ -58,16 +59,17 @@ def _time(fn: Callable[[], Any], device: torch.device) -> float:
 
 
 def pooling_indices(x: torch.Tensor) -> torch.Tensor:
-    """int64 values of the bytes of ``x`` (half its count) laid out as a stride-2 3x3 max
-    pool's argmax indices into 112x112 planes: each output's window start plus an offset
-    of 0-2 rows and 0-2 columns (ResNet's stem pool on ImageNet)."""
-    m = x.numel() * x.element_size() // 8
+    """int64 values of about the bytes of ``x`` (whole 56x56 planes) laid out as a stride-2
+    3x3 max pool's argmax indices into 112x112 planes, shaped (planes, 56, 56) as the pool
+    saves them: each output's window start plus an offset of 0-2 rows and 0-2 columns
+    (ResNet's stem pool on ImageNet)."""
+    m = max(round(x.numel() * x.element_size() / 8 / 3136), 1) * 3136
     gen = torch.Generator().manual_seed(1)
     out = torch.arange(m)
     row, col = out % 3136 // 56, out % 56  # 56x56 outputs per plane
     pick = torch.randint(0, 9, (m,), generator=gen)
     start = (2 * row + pick // 3).clamp(max=111) * 112 + (2 * col + pick % 3).clamp(max=111)
-    return start.to(x.device)
+    return start.view(-1, 56, 56).to(x.device)
 
 
 def _measure(name: str, x: torch.Tensor, rounds: int) -> dict[str, Any]:

@@ -11,7 +11,12 @@ from lightning_acgc.codecs._checks import check_group_size
 from lightning_acgc.codecs.base import Packed
 from lightning_acgc.codecs.identity import raw_packed
 from lightning_acgc.codecs.registry import register_codec
-from lightning_acgc.kernels.intpack import INT_DTYPES, intpack_decode, intpack_encode
+from lightning_acgc.kernels.intpack import (
+    INT_DTYPES,
+    intpack_decode,
+    intpack_encode,
+    window_encode,
+)
 
 __all__ = ["IntPackCodec", "IntPackConfig"]
 
@@ -81,6 +86,9 @@ def _span(t: torch.Tensor) -> torch.Tensor:
 class IntPackCodec:
     """Frame-of-reference + bit packing of integer tensors (pooling indices, token
     indices, offsets, ``edge_index``); decoding returns the exact tensor, dtype and shape.
+    Max-pool indices (contiguous, >= 3 dimensions) are packed against the window each
+    output reads when that is narrower (2-4 bits a value instead of 10-14:
+    :mod:`lightning_acgc.kernels.intpack.window`).
     Floating and bool tensors are declined (``encode`` returns ``None``), and so is a
     tensor that packing would not shrink.
 
@@ -152,7 +160,9 @@ class IntPackCodec:
             delta = source.start - x.storage_offset()
             self._sources[key] = (weakref.ref(anchor), anchor._version, weakref.ref(source), delta)
             return self._view_of(x, source, delta, meta)
-        payload = intpack_encode(span, self.config.group_size, backend=self.backend)
+        payload = window_encode(x, backend=self.backend) if span.numel() == x.numel() else None
+        if payload is None:
+            payload = intpack_encode(span, self.config.group_size, backend=self.backend)
         if sum(t.numel() * t.element_size() for t in payload.values()) >= span.numel() * (
             span.element_size()
         ):

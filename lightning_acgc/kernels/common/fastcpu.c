@@ -1170,3 +1170,127 @@ void acgc_intpack_unpack(const uint8_t *bits, int64_t n, int64_t gs, const int64
         }
     }
 }
+
+/* ---- intpack's window mode: pooling indices as their offsets from the window corner
+ * s*i*win + s*j of output (i, j) in (planes, h, w) (intpack/window.py's format) ---- */
+
+
+/* The offsets of the len values at x (k0 .. k0 + len of the flat tensor, len <= INT_BLOCK)
+ * into rr and rc: u = x - corner + win / 2 (mod 2**64), rr = floor(u / win) counted by
+ * comparisons (no division or multiply: rr in [-2, 2], a window of up to 5 rows), rc = u -
+ * win / 2 - rr * win, both in int32 (win < 2**28, which the caller checks). Walks row by row so that the inner loop has no branch and vectorizes.
+ * Returns 0 where some u is outside [-2 * win, 3 * win). */
+static int window_offsets(const int64_t *restrict x, int64_t k0, int64_t len, int64_t h,
+                          int64_t w, int64_t s, int64_t win, int32_t *restrict rr,
+                          int32_t *restrict rc) {
+    int64_t rem = k0 % (h * w), i = rem / w, j = rem % w, half = win / 2;
+    int64_t lo = -2 * win, hi = 3 * win;
+    int bad = 0;
+    for (int64_t t0 = 0; t0 < len;) {
+        int64_t seg = w - j < len - t0 ? w - j : len - t0;
+        uint64_t corner = (uint64_t)(s * win * i + s * j) - (uint64_t)half;
+        for (int64_t t = t0; t < t0 + seg; t++) {
+            int64_t u64 = (int64_t)((uint64_t)x[t] - corner);
+            corner += (uint64_t)s;
+            int out = (u64 < lo) | (u64 >= hi);
+            bad |= out;
+            int32_t u = out ? 0 : (int32_t)u64, v = (int32_t)win; /* |u| < 3 * win < 2**31 */
+            int32_t a = u >= -v, b = u >= 0, c = u >= v, e = u >= 2 * v;
+            rr[t] = a + b + c + e - 2;
+            rc[t] = u - (int32_t)half + 2 * v - (a ? v : 0) - (b ? v : 0) - (c ? v : 0) - (e ? v : 0);
+        }
+        t0 += seg;
+        j = 0;
+        i = i + 1 == h ? 0 : i + 1;
+    }
+    return !bad;
+}
+
+/* The ranges of rr and rc over the n values (out: min rr, max rr, min rc, max rc); returns
+ * 0 where some |d| is over the limit. */
+int acgc_window_ranges(const int64_t *x, int64_t n, int64_t h, int64_t w, int64_t s, int64_t win,
+                       int64_t *out, int nthreads) {
+    int64_t blocks = (n + INT_BLOCK - 1) / INT_BLOCK;
+    int64_t lo_r = INT64_MAX, hi_r = INT64_MIN, lo_c = INT64_MAX, hi_c = INT64_MIN;
+    int ok = 1;
+#pragma omp parallel for schedule(static) num_threads(THREADS(n)) \
+    reduction(min : lo_r, lo_c) reduction(max : hi_r, hi_c) reduction(&& : ok)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t i0 = b * INT_BLOCK, len = i0 + INT_BLOCK < n ? INT_BLOCK : n - i0;
+        int32_t rr[INT_BLOCK], rc[INT_BLOCK];
+        ok = window_offsets(x + i0, i0, len, h, w, s, win, rr, rc) && ok;
+        int32_t a = INT32_MAX, bb = INT32_MIN, c = INT32_MAX, e = INT32_MIN;
+        for (int64_t t = 0; t < len; t++) {
+            a = rr[t] < a ? rr[t] : a;
+            bb = rr[t] > bb ? rr[t] : bb;
+            c = rc[t] < c ? rc[t] : c;
+            e = rc[t] > e ? rc[t] : e;
+        }
+        lo_r = a < lo_r ? a : lo_r;
+        hi_r = bb > hi_r ? bb : hi_r;
+        lo_c = c < lo_c ? c : lo_c;
+        hi_c = e > hi_c ? e : hi_c;
+    }
+    out[0] = lo_r, out[1] = hi_r, out[2] = lo_c, out[3] = hi_c;
+    return ok;
+}
+
+/* The codes ((rr - mr) << kb) | (rc - mc) of the n values as a width-bit stream (1..16). */
+void acgc_window_pack(const int64_t *x, int64_t n, int64_t h, int64_t w, int64_t s, int64_t win,
+                      int64_t mr, int64_t mc, int kb, int width, uint8_t *out, int nthreads) {
+    int64_t blocks = (n + INT_BLOCK - 1) / INT_BLOCK;
+#pragma omp parallel for schedule(static) num_threads(THREADS(n))
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t i0 = b * INT_BLOCK, len = i0 + INT_BLOCK < n ? INT_BLOCK : n - i0;
+        int32_t rr[INT_BLOCK], rc[INT_BLOCK];
+        uint32_t r[INT_BLOCK + 8];
+        window_offsets(x + i0, i0, len, h, w, s, win, rr, rc);
+        int32_t mr32 = (int32_t)mr, mc32 = (int32_t)mc;
+        for (int64_t t = 0; t < len; t++)
+            r[t] = ((uint32_t)(rr[t] - mr32) << kb) | (uint32_t)(rc[t] - mc32);
+        int64_t whole = len / 8 * 8;
+        uint8_t *o = out + i0 / 8 * width;
+        pack_codes(r, whole, width, o);
+        if (whole < len) { /* the stream's tail: its last byte's unused bits 0 */
+            uint8_t tail[16];
+            for (int64_t t = len; t < whole + 8; t++) r[t] = 0;
+            pack_codes(r + whole, 8, width, tail);
+            memcpy(o + whole / 8 * width, tail, (size_t)(((len - whole) * width + 7) / 8));
+        }
+    }
+}
+
+/* The inverse: out = corner + (mr + (code >> kb)) * win + mc + (code & mask) (mod 2**64),
+ * width 0..16. */
+void acgc_window_unpack(const uint8_t *bits, int64_t n, int64_t h, int64_t w, int64_t s,
+                        int64_t win, int64_t mr, int64_t mc, int kb, int width, int64_t *out,
+                        int nthreads) {
+    int64_t blocks = (n + INT_BLOCK - 1) / INT_BLOCK;
+    const uint8_t *end = bits + (n * width + 7) / 8;
+    uint64_t mask = ((uint64_t)1 << kb) - 1u;
+#pragma omp parallel for schedule(static) num_threads(THREADS(n))
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t i0 = b * INT_BLOCK, len = i0 + INT_BLOCK < n ? INT_BLOCK : n - i0;
+        uint32_t r[INT_BLOCK];
+        const uint8_t *src = bits + i0 / 8 * width;
+        if (width)
+            unpack_codes(src, len, width, end - src, r);
+        else
+            memset(r, 0, sizeof(r));
+        int64_t rem = i0 % (h * w), i = rem / w, j = rem % w;
+        for (int64_t t0 = 0; t0 < len;) {
+            int64_t seg = w - j < len - t0 ? w - j : len - t0;
+            uint64_t corner = (uint64_t)(s * win * i + s * j);
+            int64_t *o = out + i0 + t0;
+            for (int64_t t = 0; t < seg; t++) {
+                uint64_t c = r[t0 + t];
+                uint64_t v = corner + (uint64_t)(s * t) + (uint64_t)(mr + (int64_t)(c >> kb)) *
+                             (uint64_t)win + (uint64_t)mc + (c & mask);
+                o[t] = (int64_t)v;
+            }
+            t0 += seg;
+            j = 0;
+            i = i + 1 == h ? 0 : i + 1;
+        }
+    }
+}

@@ -1,15 +1,17 @@
 """Compiled CPU path of the ``intpack`` codec (``common/fastcpu.c``): the payload of
 :mod:`lightning_acgc.kernels.intpack.reference`, byte for byte, in two passes (the
 groups' minima and the widest residual; then the bit stream, parallel over blocks of
-whole words) instead of a tensor of one byte per bit."""
+whole words) instead of a tensor of one byte per bit; and the window mode of
+:mod:`lightning_acgc.kernels.intpack.window` (the offsets' ranges, then the codes)."""
 
 from __future__ import annotations
 
 import torch
 
 from lightning_acgc.kernels.common.cpu_lib import cpu_library, cpu_threads
+from lightning_acgc.kernels.intpack.window import MAX_WIDTH, code_width
 
-__all__ = ["intpack_decode_cpu", "intpack_encode_cpu"]
+__all__ = ["intpack_decode_cpu", "intpack_encode_cpu", "window_decode_cpu", "window_encode_cpu"]
 
 
 def intpack_encode_cpu(x: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
@@ -44,6 +46,49 @@ def intpack_decode_cpu(
     if numel:
         cpu_library().acgc_intpack_unpack(
             bits.data_ptr(), numel, group_size, base.data_ptr(), width, out.data_ptr(),
+            cpu_threads(),
+        )  # fmt: skip
+    return out if dtype == torch.int64 else out.to(dtype)
+
+
+def window_encode_cpu(x: torch.Tensor, s: int, w_in: int) -> dict[str, torch.Tensor] | None:
+    """The payload of ``window_encode_ref``, byte for byte (None where it declines)."""
+    h, w = x.shape[-2:]
+    flat = x.reshape(-1).to(torch.int64).contiguous()
+    n = flat.numel()
+    lib, threads = cpu_library(), cpu_threads()
+    ranges = torch.empty(4, dtype=torch.int64)
+    if not lib.acgc_window_ranges(flat.data_ptr(), n, h, w, s, w_in, ranges.data_ptr(), threads):
+        return None
+    mr, top_r, mc, top_c = ranges.tolist()
+    kb, width = code_width(top_r - mr, top_c - mc)
+    if width > MAX_WIDTH:
+        return None
+    bits = torch.empty((n * width + 7) // 8, dtype=torch.uint8)
+    if width:
+        lib.acgc_window_pack(
+            flat.data_ptr(), n, h, w, s, w_in, mr, mc, kb, width, bits.data_ptr(), threads
+        )
+    return {
+        "bits": bits,
+        "width": torch.tensor(width, dtype=torch.uint8),
+        "window": torch.tensor([s, w_in, mr, mc, kb, h, w], dtype=torch.int64),
+    }
+
+
+def window_decode_cpu(
+    payload: dict[str, torch.Tensor], numel: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The flat tensor of the ``numel`` values in ``dtype`` (exact)."""
+    s, w_in, mr, mc, kb, h, w = payload["window"].tolist()
+    width = int(payload["width"])
+    bits = payload["bits"].contiguous()
+    if bits.numel() != (numel * width + 7) // 8:
+        raise ValueError(f"numel={numel} does not match {bits.numel()} bytes at width {width}")
+    out = torch.empty(numel, dtype=torch.int64)
+    if numel:
+        cpu_library().acgc_window_unpack(
+            bits.data_ptr(), numel, h, w, s, w_in, mr, mc, kb, width, out.data_ptr(),
             cpu_threads(),
         )  # fmt: skip
     return out if dtype == torch.int64 else out.to(dtype)

@@ -19,7 +19,13 @@ import torch
 
 from lightning_acgc.kernels.common.bitpack import pack_codes, unpack_codes
 
-__all__ = ["INT_DTYPES", "intpack_decode_ref", "intpack_encode_ref"]
+__all__ = [
+    "INT_DTYPES",
+    "intpack_decode_ref",
+    "intpack_encode_ref",
+    "pack_stream",
+    "unpack_stream",
+]
 
 INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
@@ -44,6 +50,43 @@ def _chunks(n: int, width: int) -> list[tuple[int, int]]:
     return [(start, min(start + step, n)) for start in range(0, n, step)]
 
 
+def pack_stream(r: torch.Tensor, width: int) -> torch.Tensor:
+    """The low ``width`` bits (0..64) of each int64 in ``r`` as a bit stream (value ``i``
+    at bits ``[i * width, (i + 1) * width)``, least significant bit first).
+
+    Example:
+        >>> pack_stream(torch.tensor([1, 2, 3]), 2).tolist()
+        [57]
+    """
+    if width == 0:
+        return torch.empty(0, dtype=torch.uint8, device=r.device)
+    shifts = torch.arange(width, device=r.device)
+    parts = []
+    for start, stop in _chunks(r.numel(), width):
+        stream = ((r[start:stop, None] >> shifts) & 1).to(torch.uint8).view(-1)
+        pad = -stream.numel() % 8  # only the last chunk can end inside a byte
+        if pad:
+            stream = torch.cat([stream, stream.new_zeros(pad)])
+        parts.append(pack_codes(stream, 1))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def unpack_stream(bits: torch.Tensor, width: int, numel: int) -> torch.Tensor:
+    """The ``numel`` int64 values of :func:`pack_stream`'s stream (bit 63 wraps to the
+    sign: the inverse modulo 2**64)."""
+    r = torch.zeros(numel, dtype=torch.int64, device=bits.device)
+    if width == 0:
+        return r
+    shifts = torch.arange(width, device=bits.device)
+    for start, stop in _chunks(numel, width):
+        # chunks start at multiples of 8 values: on a byte boundary of the stream
+        first, last = start * width // 8, -(-stop * width // 8)
+        stream = unpack_codes(bits[first:last], 1, (stop - start) * width)
+        stream = stream.view(stop - start, width).to(torch.int64)
+        torch.sum(stream << shifts, dim=1, out=r[start:stop])  # bit 63: -2**63 wraps
+    return r
+
+
 def intpack_encode_ref(x: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
     """Pack a non-empty integer tensor of a dtype in :data:`INT_DTYPES`.
 
@@ -58,18 +101,7 @@ def intpack_encode_ref(x: torch.Tensor, group_size: int) -> dict[str, torch.Tens
     base = g.amin(dim=1)
     r = (g - base[:, None]).view(-1)[:n]  # wraps modulo 2**64 for int64 extremes
     width = 64 if bool((r < 0).any()) else int(r.max()).bit_length()
-    if width == 0:
-        bits = torch.empty(0, dtype=torch.uint8, device=x.device)
-    else:
-        shifts = torch.arange(width, device=x.device)
-        parts = []
-        for start, stop in _chunks(n, width):
-            stream = ((r[start:stop, None] >> shifts) & 1).to(torch.uint8).view(-1)
-            pad = -stream.numel() % 8  # only the last chunk can end inside a byte
-            if pad:
-                stream = torch.cat([stream, stream.new_zeros(pad)])
-            parts.append(pack_codes(stream, 1))
-        bits = parts[0] if len(parts) == 1 else torch.cat(parts)
+    bits = pack_stream(r, width)
     return {"base": base, "width": torch.tensor(width, dtype=torch.uint8), "bits": bits}
 
 
@@ -78,17 +110,6 @@ def intpack_decode_ref(
 ) -> torch.Tensor:
     """Flat tensor of the ``numel`` packed values in ``dtype`` (exact)."""
     base = payload["base"]
-    width = int(payload["width"])
-    if width == 0:
-        r = torch.zeros(numel, dtype=torch.int64, device=base.device)
-    else:
-        shifts = torch.arange(width, device=base.device)
-        r = torch.empty(numel, dtype=torch.int64, device=base.device)
-        for start, stop in _chunks(numel, width):
-            # chunks start at multiples of 8 values: on a byte boundary of the stream
-            first, last = start * width // 8, -(-stop * width // 8)
-            stream = unpack_codes(payload["bits"][first:last], 1, (stop - start) * width)
-            stream = stream.view(stop - start, width).to(torch.int64)
-            torch.sum(stream << shifts, dim=1, out=r[start:stop])  # bit 63: -2**63 wraps
+    r = unpack_stream(payload["bits"].to(base.device), int(payload["width"]), numel)
     out = r + base.repeat_interleave(group_size)[:numel]
     return out.to(dtype)
