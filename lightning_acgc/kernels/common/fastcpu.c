@@ -1079,6 +1079,20 @@ static void pack_wide(const int64_t *x, int64_t i0, int64_t i1, int64_t gs, cons
     for (; nb > 0; nb -= 8, acc >>= 8) *o++ = (uint8_t)acc; /* the stream's tail only */
 }
 
+/* Codes r[0..len) (len <= INT_BLOCK; r has room for 8 more) of width 1..16 as a bit stream
+ * into o, whole bytes of 8 codes through pack_codes, then the tail, its last byte's unused
+ * bits 0. */
+static void pack_block(uint32_t *r, int64_t len, int width, uint8_t *o) {
+    int64_t whole = len / 8 * 8;
+    pack_codes(r, whole, width, o);
+    if (whole < len) {
+        uint8_t tail[16];
+        for (int64_t j = len; j < whole + 8; j++) r[j] = 0;
+        pack_codes(r + whole, 8, width, tail);
+        memcpy(o + whole / 8 * width, tail, (size_t)(((len - whole) * width + 7) / 8));
+    }
+}
+
 /* pack_wide for widths 1..16: the residuals as uint32 into a buffer (a loop that
  * vectorizes), then packed 8 at a time with constant shifts (pack_codes); i1 - i0 <=
  * INT_BLOCK. */
@@ -1091,14 +1105,7 @@ static void pack_narrow(const int64_t *x, int64_t i0, int64_t i1, int64_t gs,
         for (int64_t i = s; i < stop; i++) r[i - i0] = (uint32_t)((uint64_t)x[i] - bs);
         s = stop;
     }
-    int64_t len = i1 - i0, whole = len / 8 * 8;
-    pack_codes(r, whole, width, o);
-    if (whole < len) { /* the stream's tail: its last byte's unused bits 0 */
-        uint8_t tail[16];
-        for (int64_t j = len; j < whole + 8; j++) r[j] = 0;
-        pack_codes(r + whole, 8, width, tail);
-        memcpy(o + whole / 8 * width, tail, (size_t)(((len - whole) * width + 7) / 8));
-    }
+    pack_block(r, i1 - i0, width, o);
 }
 
 /* Residual x[i] - base[i / gs] (mod 2**64) at bits [i * width, (i + 1) * width) of out,
@@ -1248,15 +1255,7 @@ void acgc_window_pack(const int64_t *x, int64_t n, int64_t h, int64_t w, int64_t
         int32_t mr32 = (int32_t)mr, mc32 = (int32_t)mc;
         for (int64_t t = 0; t < len; t++)
             r[t] = ((uint32_t)(rr[t] - mr32) << kb) | (uint32_t)(rc[t] - mc32);
-        int64_t whole = len / 8 * 8;
-        uint8_t *o = out + i0 / 8 * width;
-        pack_codes(r, whole, width, o);
-        if (whole < len) { /* the stream's tail: its last byte's unused bits 0 */
-            uint8_t tail[16];
-            for (int64_t t = len; t < whole + 8; t++) r[t] = 0;
-            pack_codes(r + whole, 8, width, tail);
-            memcpy(o + whole / 8 * width, tail, (size_t)(((len - whole) * width + 7) / 8));
-        }
+        pack_block(r, len, width, out + i0 / 8 * width);
     }
 }
 
