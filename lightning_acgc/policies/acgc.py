@@ -63,6 +63,7 @@ from lightning_acgc.codecs.spec import CodecSpec
 from lightning_acgc.engine.meter import SiteRecord
 from lightning_acgc.engine.sites import SiteInfo
 from lightning_acgc.kernels.quant import stored_meta
+from lightning_acgc.policies import error_model
 from lightning_acgc.policies._acgc_stats import module_norms, per_module_sq, reduce_tables
 from lightning_acgc.policies._schedule import check_int
 from lightning_acgc.policies.acgc_allocation import (
@@ -79,7 +80,6 @@ from lightning_acgc.policies.acgc_state import ACGCState
 from lightning_acgc.policies.base import Reduce
 from lightning_acgc.policies.bit_allocation import KEEP, LADDER
 from lightning_acgc.policies.calibrating import CalibratingPolicy
-from lightning_acgc.policies.error_model import NORM_TYPES, norm_inv_var, tensor_sensitivities
 from lightning_acgc.policies.quant_error import sr_variance
 
 __all__ = ["ACGCPolicy"]
@@ -224,10 +224,12 @@ class ACGCPolicy(ACGCState, NoiseBudget, ScopeFloors, ModelCorrections, Calibrat
 
     # -- codecs ---------------------------------------------------------------
     def codec_for(self, site: SiteInfo, x: torch.Tensor) -> Codec | None:
+        if error_model.is_norm_statistic(site.module_type, x):
+            return None  # a 1/C share of the bytes; its errors compound (error_model)
         if self._calibrating:
             start = time.perf_counter()
-            if site.module_type in NORM_TYPES:
-                inv_var = norm_inv_var(x, site.module_type)
+            if site.module_type in error_model.NORM_TYPES:
+                inv_var = error_model.norm_inv_var(x, site.module_type)
                 if inv_var is not None and math.isfinite(inv_var):
                     self._inv_var[site.key] = inv_var
             if self.codec == "quant":
@@ -321,7 +323,7 @@ class ACGCPolicy(ACGCState, NoiseBudget, ScopeFloors, ModelCorrections, Calibrat
         self._norm_params = [
             n
             for n, m in model.named_modules()
-            if type(m).__name__ in NORM_TYPES and getattr(m, "weight", None) is not None
+            if type(m).__name__ in error_model.NORM_TYPES and getattr(m, "weight", None) is not None
         ]
 
     def _group_meta_bits(self, device_type: str) -> int:
@@ -330,7 +332,7 @@ class ACGCPolicy(ACGCState, NoiseBudget, ScopeFloors, ModelCorrections, Calibrat
         return 32 if stored_meta(meta, device_type, self.config.backend) == "bf16" else 64
 
     def _calibrate(self, grad_sq: dict[str, float], g_sq: float, layer: dict[str, float]) -> None:
-        sens = tensor_sensitivities(
+        sens = error_model.tensor_sensitivities(
             self._structure, grad_sq, self.stats.fan_in, self._inv_var, self._norm_params
         )
         for key, s in sens.items():

@@ -141,6 +141,25 @@ def is_batch_norm_input(module_type: str, x: torch.Tensor) -> bool:
     return "BatchNorm" in module_type and x.dim() >= 2 and x.is_floating_point()
 
 
+def is_norm_statistic(module_type: str, x: torch.Tensor) -> bool:
+    """Whether ``x``, saved inside a normalization module, is one of its per-row or
+    per-channel statistics (LayerNorm's and RMSNorm's mean and 1/σ of shape (..., 1),
+    BatchNorm's per-channel mean and 1/σ): a 1/C share of the input's bytes, and read
+    in products with itself by the backward (x̂ = (x − μ)·r, then terms in r and r³), so
+    its rounding errors do not cancel: at 1 bit they left a char-level transformer at
+    +10% validation loss (acgc, e = 0.3).
+
+    Example:
+        >>> is_norm_statistic("LayerNorm", torch.zeros(8, 16, 1))
+        True
+        >>> is_norm_statistic("LayerNorm", torch.zeros(8, 16, 64))
+        False
+    """
+    return (
+        module_type in NORM_TYPES and x.is_floating_point() and (x.dim() <= 1 or x.shape[-1] == 1)
+    )
+
+
 def norm_inv_var(x: torch.Tensor, module_type: str) -> float | None:
     """Mean of 1/variance over the groups a normalization normalizes (channels for
     BatchNorm, rows of the last dimension for LayerNorm/RMSNorm, the whole tensor

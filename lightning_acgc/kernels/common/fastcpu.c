@@ -1197,18 +1197,22 @@ static int window_offsets(const int64_t *restrict x, int64_t k0, int64_t len, in
         int64_t seg = w - j < len - t0 ? w - j : len - t0;
         uint64_t corner = (uint64_t)(s * win * i + s * j) - (uint64_t)half;
         for (int64_t t = t0; t < t0 + seg; t++) {
-            int64_t u64 = (int64_t)((uint64_t)x[t] - corner);
+            int64_t u = (int64_t)((uint64_t)x[t] - corner);
             corner += (uint64_t)s;
-            int out = (u64 < lo) | (u64 >= hi);
+            int out = (u < lo) | (u >= hi);
             bad |= out;
-            int32_t u = out ? 0 : (int32_t)u64, v = (int32_t)win; /* |u| < 3 * win < 2**31 */
-            int32_t a = u >= -v, b = u >= 0, c = u >= v, e = u >= 2 * v;
-            rr[t] = a + b + c + e - 2;
-            rc[t] = u - (int32_t)half + 2 * v - (a ? v : 0) - (b ? v : 0) - (c ? v : 0) - (e ? v : 0);
+            rc[t] = out ? 0 : (int32_t)u; /* |u| < 3 * win < 2**31 */
         }
         t0 += seg;
         j = 0;
         i = i + 1 == h ? 0 : i + 1;
+    }
+    int32_t v = (int32_t)win, hv = (int32_t)half;
+    for (int64_t t = 0; t < len; t++) { /* the whole block at once: long vector loops */
+        int32_t u = rc[t];
+        int32_t a = u >= -v, b = u >= 0, c = u >= v, e = u >= 2 * v;
+        rr[t] = a + b + c + e - 2;
+        rc[t] = u - hv + 2 * v - (a ? v : 0) - (b ? v : 0) - (c ? v : 0) - (e ? v : 0);
     }
     return !bad;
 }
