@@ -118,6 +118,27 @@ def test_normalization_statistics_are_kept_out_of_the_allocation() -> None:
         engine.remove()
 
 
+def test_saturating_activations_keep_four_bits() -> None:
+    """A tanh's saved output enters its backward as 1 − ŷ²: rounding biases it by the
+    rounding variance, which the error model (a variance) does not see. At a loose e the
+    allocation gave BERT's pooler tanh 1 bit; it is held at 4, the Linear inputs are not."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 256), nn.Linear(256, 4))
+    x = torch.randn(64, 16)
+    policy = ACGCPolicy(gradient_error=0.9, warmup_steps=4, calibrate_every=1000)
+    engine = ActivationCompressor(policy, model=model, settings=EngineSettings(min_numel=0))
+    engine.install()
+    policy.setup(model)
+    try:
+        for step in range(4):
+            model.zero_grad()
+            compressed_step(engine, model, lambda: model(x).square().mean(), step=step)
+    finally:
+        engine.remove()
+    assert policy.site_bits["1:0"] >= 4, policy.site_bits
+    assert policy.site_bits["3:0"] < 4, policy.site_bits  # the tanh output is 2:0 too
+
+
 def _deep_mlp() -> nn.Module:
     torch.manual_seed(0)
     dims = [64, 384, 256, 512, 192, 320, 448, 256, 384, 10]

@@ -385,7 +385,7 @@ class ACGCPolicy(ACGCState, NoiseBudget, ScopeFloors, ModelCorrections, Calibrat
             return
         args = (layer_sq, g_sq, e_sq, self.tensor_lam, self._own_scale, self.layer_share)
         meta = self._meta_bits / self.group_size
-        widths = quant_widths(sens, self._variances, *args, self._raw_bits, meta, self._floors)
+        widths = quant_widths(sens, self._variances, *args, self._raw_bits, meta, self.floors())
         self.site_bits = {**self.site_bits, **widths}
 
     # -- reporting and state ---------------------------------------------------

@@ -27,6 +27,7 @@ measured 0.16-0.27 against e = 0.5.
 from __future__ import annotations
 
 from lightning_acgc.policies.bit_allocation import KEEP, LADDER, allocate_to_error
+from lightning_acgc.policies.error_model import BIAS_FLOOR, SATURATING_TYPES
 
 __all__ = ["ScopeFloors", "within"]
 
@@ -168,6 +169,17 @@ class ScopeFloors:
                     origins.pop(key, None)
                 else:
                     floors[key] = lower
+
+    def floors(self) -> dict[str, int]:
+        """The smallest width per tensor the allocation must respect: the measured floors,
+        and :data:`~lightning_acgc.policies.error_model.BIAS_FLOOR` for the saved outputs
+        of saturating activations (a bias, not a variance: the error model does not see
+        it)."""
+        floors = dict(getattr(self, "_floors", None) or {})
+        for key, record in getattr(self, "_structure", {}).items():
+            if record.module_type in SATURATING_TYPES:
+                floors[key] = max(floors.get(key, LADDER[0]), BIAS_FLOOR, key=ORDER.index)
+        return floors
 
     def _structure_numel(self, key: str) -> int:
         readings = self._sens.get(key)
