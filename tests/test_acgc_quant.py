@@ -93,29 +93,34 @@ def test_one_bit_and_mixed_widths_round_trip_through_the_engine() -> None:
         engine.remove()
 
 
+def _calibrated(model: nn.Module, x: torch.Tensor, e: float, steps: int) -> tuple:
+    """acgc at ``e`` over ``steps`` calibration steps of ``model(x).square().mean()``:
+    the policy and the last step's per-site records."""
+    policy = ACGCPolicy(gradient_error=e, warmup_steps=steps, calibrate_every=1000)
+    engine = ActivationCompressor(policy, model=model, settings=EngineSettings(min_numel=0))
+    engine.install()
+    policy.setup(model)
+    try:
+        for step in range(steps):
+            model.zero_grad()
+            compressed_step(engine, model, lambda: model(x).square().mean(), step=step)
+        return policy, dict(engine.stats.sites)
+    finally:
+        engine.remove()
+
+
 def test_normalization_statistics_are_kept_out_of_the_allocation() -> None:
     """LayerNorm's saved mean and 1/σ (shape (..., 1)) are kept as they are and never
     given a width: at 1 bit (the allocation's choice at e = 0.3) they left the sweep's
     char-level transformer at +10% validation loss; kept, +1%, at a higher ratio."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 4))
-    x = torch.randn(8, 32, 16)
-    policy = ACGCPolicy(gradient_error=0.3, warmup_steps=2, calibrate_every=1000)
-    engine = ActivationCompressor(policy, model=model, settings=EngineSettings(min_numel=0))
-    engine.install()
-    policy.setup(model)
-    try:
-        for step in range(3):
-            model.zero_grad()
-            compressed_step(engine, model, lambda: model(x).square().mean(), step=step)
-        sites = engine.stats.sites
-        stats = [k for k, r in sites.items() if k.startswith("1:") and r.shape[-1] == 1]
-        assert len(stats) == 2, {k: r.shape for k, r in sites.items()}
-        assert all(sites[k].codec == "kept" for k in stats)
-        assert not set(stats) & (set(policy.site_bits) | set(policy._variances))
-        assert sites["1:0"].codec == "quant"  # the input itself is compressed
-    finally:
-        engine.remove()
+    policy, sites = _calibrated(model, torch.randn(8, 32, 16), 0.3, steps=3)
+    stats = [k for k, r in sites.items() if k.startswith("1:") and r.shape[-1] == 1]
+    assert len(stats) == 2, {k: r.shape for k, r in sites.items()}
+    assert all(sites[k].codec == "kept" for k in stats)
+    assert not set(stats) & (set(policy.site_bits) | set(policy._variances))
+    assert sites["1:0"].codec == "quant"  # the input itself is compressed
 
 
 def test_saturating_activations_keep_four_bits() -> None:
@@ -124,17 +129,7 @@ def test_saturating_activations_keep_four_bits() -> None:
     allocation gave BERT's pooler tanh 1 bit; it is held at 4, the Linear inputs are not."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 256), nn.Linear(256, 4))
-    x = torch.randn(64, 16)
-    policy = ACGCPolicy(gradient_error=0.9, warmup_steps=4, calibrate_every=1000)
-    engine = ActivationCompressor(policy, model=model, settings=EngineSettings(min_numel=0))
-    engine.install()
-    policy.setup(model)
-    try:
-        for step in range(4):
-            model.zero_grad()
-            compressed_step(engine, model, lambda: model(x).square().mean(), step=step)
-    finally:
-        engine.remove()
+    policy, _ = _calibrated(model, torch.randn(64, 16), 0.9, steps=4)
     assert policy.site_bits["1:0"] >= 4, policy.site_bits
     assert policy.site_bits["3:0"] < 4, policy.site_bits  # the tanh output is 2:0 too
 
