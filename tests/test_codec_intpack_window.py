@@ -52,6 +52,19 @@ def test_window_cpu_path_writes_the_references_bytes(geometry: tuple) -> None:
     assert all(torch.equal(ref[k], fast[k]) for k in ref)
 
 
+@pytest.mark.skipif(cpu_library() is None, reason="no compiled CPU kernels")
+def test_window_cpu_path_repacks_when_the_last_ranges_do_not_match() -> None:
+    """The C path packs with the last same-shaped tensor's code parameters and checks them
+    in the same pass: narrower, wider and equal ranges all give the reference's bytes."""
+    wide = _indices((2, 8, 32, 32), 2, 2, 0, False)
+    i = torch.arange(16)[:, None]
+    corners = (2 * 32 * i + 2 * torch.arange(16)).expand_as(wide).contiguous()  # offsets 0
+    for x in (wide, corners, wide, wide):
+        fit = window_fit(x)
+        ref, fast = window_encode_ref(x, *fit), window_encode_cpu(x, *fit)
+        assert all(torch.equal(ref[k], fast[k]) for k in ref)
+
+
 def test_pooling_indices_pack_into_a_few_bits() -> None:
     """2x2 pooling of 64x64 planes: 2 bits a value (64 bits raw; plain intpack ~10)."""
     idx = _indices((8, 16, 64, 64), 2, 2, 0, False)

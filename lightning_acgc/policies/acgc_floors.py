@@ -136,15 +136,16 @@ class ScopeFloors:
         def in_force(key: str) -> int:
             return self.site_bits.get(key, self.initial_width)
 
-        for origin in sorted({origins.get(k, parent(k.rpartition(":")[0])) for k in floors}):
+        def origin_of(key: str) -> str:  # the scope that set the floor (else its module's)
+            return origins.get(key, parent(key.rpartition(":")[0]))
+
+        for origin in sorted({origin_of(k) for k in floors}):
             keys = [k for k in others if within(k.rpartition(":")[0], origin)]
             now = sum(others[k] * _variance(self._variances[k], in_force(k)) for k in keys)
             need = max((r for m, r in needs.items() if within(m, origin)), default=0.0)
             steps = []
             for key, floor in floors.items():
-                if key in tightened or key not in self._variances:
-                    continue
-                if origins.get(key, parent(key.rpartition(":")[0])) != origin:
+                if key in tightened or key not in self._variances or origin_of(key) != origin:
                     continue
                 lower = ORDER[max(ORDER.index(floor) - 1, 0)]
                 width = max(in_force(key), floor, key=ORDER.index)

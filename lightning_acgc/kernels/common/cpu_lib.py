@@ -66,10 +66,9 @@ _SIGNATURES = {
     "acgc_intpack_base": (ctypes.c_uint64, [_P, _I64, _I64, _P, _I32]),
     "acgc_intpack_pack": (None, [_P, _I64, _I64, _P, _I32, _P, _I32]),
     "acgc_intpack_unpack": (None, [_P, _I64, _I64, _P, _I32, _P, _I32]),
-    "acgc_window_ranges": (_I32, [_P, _I64, _I64, _I64, _I64, _I64, _P, _I32]),
     "acgc_window_pack": (
-        None,
-        [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I32, _I32, _P, _I32],
+        _I32,
+        [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I32, _I32, _P, _P, _I32],
     ),
     "acgc_window_unpack": (
         None,

@@ -1181,12 +1181,12 @@ void acgc_intpack_unpack(const uint8_t *bits, int64_t n, int64_t gs, const int64
 /* ---- intpack's window mode: pooling indices as their offsets from the window corner
  * s*i*win + s*j of output (i, j) in (planes, h, w) (intpack/window.py's format) ---- */
 
-
 /* The offsets of the len values at x (k0 .. k0 + len of the flat tensor, len <= INT_BLOCK)
  * into rr and rc: u = x - corner + win / 2 (mod 2**64), rr = floor(u / win) counted by
  * comparisons (no division or multiply: rr in [-2, 2], a window of up to 5 rows), rc = u -
- * win / 2 - rr * win, both in int32 (win < 2**28, which the caller checks). Walks row by row so that the inner loop has no branch and vectorizes.
- * Returns 0 where some u is outside [-2 * win, 3 * win). */
+ * win / 2 - rr * win, both in int32 (win < 2**28, which the caller checks). Walks row by
+ * row so that the inner loops have no branch and vectorize. Returns 0 where some u is
+ * outside [-2 * win, 3 * win). */
 static int window_offsets(const int64_t *restrict x, int64_t k0, int64_t len, int64_t h,
                           int64_t w, int64_t s, int64_t win, int32_t *restrict rr,
                           int32_t *restrict rc) {
@@ -1217,10 +1217,15 @@ static int window_offsets(const int64_t *restrict x, int64_t k0, int64_t len, in
     return !bad;
 }
 
-/* The ranges of rr and rc over the n values (out: min rr, max rr, min rc, max rc); returns
- * 0 where some |d| is over the limit. */
-int acgc_window_ranges(const int64_t *x, int64_t n, int64_t h, int64_t w, int64_t s, int64_t win,
-                       int64_t *out, int nthreads) {
+/* The codes ((rr - mr) << kb) | (rc - mc) of the n values as a width-bit stream into out
+ * (width 0: nothing written, the ranges only), and the ranges of rr and rc into ranges (min
+ * rr, max rr, min rc, max rc). Returns 0 where some value is outside its window
+ * (window_offsets). The stream is the format's only where mr, mc, kb and width are the
+ * ones the ranges give: the caller packs with a guess (the last tensor's), compares, and
+ * packs again if they differ, so a step whose ranges did not change takes one pass. */
+int acgc_window_pack(const int64_t *x, int64_t n, int64_t h, int64_t w, int64_t s, int64_t win,
+                     int64_t mr, int64_t mc, int kb, int width, uint8_t *out, int64_t *ranges,
+                     int nthreads) {
     int64_t blocks = (n + INT_BLOCK - 1) / INT_BLOCK;
     int64_t lo_r = INT64_MAX, hi_r = INT64_MIN, lo_c = INT64_MAX, hi_c = INT64_MIN;
     int ok = 1;
@@ -1229,38 +1234,25 @@ int acgc_window_ranges(const int64_t *x, int64_t n, int64_t h, int64_t w, int64_
     for (int64_t b = 0; b < blocks; b++) {
         int64_t i0 = b * INT_BLOCK, len = i0 + INT_BLOCK < n ? INT_BLOCK : n - i0;
         int32_t rr[INT_BLOCK], rc[INT_BLOCK];
+        uint32_t r[INT_BLOCK + 8];
         ok = window_offsets(x + i0, i0, len, h, w, s, win, rr, rc) && ok;
         int32_t a = INT32_MAX, bb = INT32_MIN, c = INT32_MAX, e = INT32_MIN;
+        int32_t mr32 = (int32_t)mr, mc32 = (int32_t)mc;
         for (int64_t t = 0; t < len; t++) {
             a = rr[t] < a ? rr[t] : a;
             bb = rr[t] > bb ? rr[t] : bb;
             c = rc[t] < c ? rc[t] : c;
             e = rc[t] > e ? rc[t] : e;
+            r[t] = ((uint32_t)(rr[t] - mr32) << kb) | (uint32_t)(rc[t] - mc32);
         }
         lo_r = a < lo_r ? a : lo_r;
         hi_r = bb > hi_r ? bb : hi_r;
         lo_c = c < lo_c ? c : lo_c;
         hi_c = e > hi_c ? e : hi_c;
+        if (width) pack_block(r, len, width, out + i0 / 8 * width);
     }
-    out[0] = lo_r, out[1] = hi_r, out[2] = lo_c, out[3] = hi_c;
+    ranges[0] = lo_r, ranges[1] = hi_r, ranges[2] = lo_c, ranges[3] = hi_c;
     return ok;
-}
-
-/* The codes ((rr - mr) << kb) | (rc - mc) of the n values as a width-bit stream (1..16). */
-void acgc_window_pack(const int64_t *x, int64_t n, int64_t h, int64_t w, int64_t s, int64_t win,
-                      int64_t mr, int64_t mc, int kb, int width, uint8_t *out, int nthreads) {
-    int64_t blocks = (n + INT_BLOCK - 1) / INT_BLOCK;
-#pragma omp parallel for schedule(static) num_threads(THREADS(n))
-    for (int64_t b = 0; b < blocks; b++) {
-        int64_t i0 = b * INT_BLOCK, len = i0 + INT_BLOCK < n ? INT_BLOCK : n - i0;
-        int32_t rr[INT_BLOCK], rc[INT_BLOCK];
-        uint32_t r[INT_BLOCK + 8];
-        window_offsets(x + i0, i0, len, h, w, s, win, rr, rc);
-        int32_t mr32 = (int32_t)mr, mc32 = (int32_t)mc;
-        for (int64_t t = 0; t < len; t++)
-            r[t] = ((uint32_t)(rr[t] - mr32) << kb) | (uint32_t)(rc[t] - mc32);
-        pack_block(r, len, width, out + i0 / 8 * width);
-    }
 }
 
 /* The inverse: out = corner + (mr + (code >> kb)) * win + mc + (code & mask) (mod 2**64),

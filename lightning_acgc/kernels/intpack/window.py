@@ -19,7 +19,8 @@ product of the others), with ``s`` and ``w_in`` found by :func:`window_fit`:
   ``[k·width, (k + 1)·width)``); ``width``: uint8; ``window``: int64
   ``[s, w_in, min rr, min rc, kb, h, w]``.
 
-The compiled CPU path (``window_cpu``) writes the same bytes.
+The compiled CPU path (``window_encode_cpu`` in :mod:`lightning_acgc.kernels.intpack.cpu`)
+writes the same bytes.
 """
 
 from __future__ import annotations
