@@ -157,6 +157,21 @@ def _deep_mlp_errors(e: float) -> list[dict[str, float]]:
     return history
 
 
+def test_an_error_of_zero_loosens_kappa_without_a_reading() -> None:
+    """A calibration whose rounding did not reach the gradient (measured error exactly 0)
+    halves κ and leaves no reading behind: the next real reading sets κ by itself. A
+    clamped reading of 1e-3 held the mean down for the following calibrations, κ fell to
+    3x under the real readings and the ResNet recipe at e = 0.01 broke a layer's budget
+    by 1.5x."""
+    policy = ACGCPolicy(gradient_error=0.01)
+    policy._predicted = 1e-4
+    assert policy._measure(g_sq=1.0, err_sq=0.0) == pytest.approx(0.5)
+    assert policy.kappa == pytest.approx(0.25) and not policy._readings
+    policy._predicted = 1e-3
+    policy._measure(g_sq=1.0, err_sq=0.15e-3)  # the model is 1/0.15 too high
+    assert policy.kappa == pytest.approx(0.15)
+
+
 @pytest.mark.slow
 def test_calibration_keeps_the_promise() -> None:
     """``gradient_error`` keeps its meaning on calibration steps; κ settles (both ways),

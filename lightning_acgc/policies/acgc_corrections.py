@@ -81,6 +81,13 @@ class ModelCorrections:
         if self._predicted is None or self._predicted <= 0:
             return 1.0
         before = self.kappa
+        if err_sq <= 0:
+            # exactly 0 (what was rounded did not reach the gradient): the model is high by
+            # an unknown factor. κ loosens by the most allowed, and no reading is kept (a
+            # clamped one held the mean down for ``history`` calibrations, halving κ to 3x
+            # under the next readings, and e = 0.01 broke a layer's budget by 1.5x)
+            self.kappa /= self.max_loosening
+            return self.kappa / before
         reading = max(err_sq / self._predicted, 1e-3)
         self._readings.append(reading)
         if self.codec == "quant":
