@@ -42,6 +42,7 @@ def exact_gradients(
     model: nn.Module,
     compute_loss: Callable[[], torch.Tensor | None],
     scale: float = 1.0,
+    compressed: bool = False,
 ) -> dict[str, torch.Tensor] | None:
     """The uncompressed gradient of ``scale * compute_loss()`` by parameter name, leaving
     no trace: ``.grad`` untouched, random state and buffers restored
@@ -49,14 +50,18 @@ def exact_gradients(
     masks and statistics. A parameter the loss does not reach gets zeros (every rank
     has the same names). ``None`` when there is no differentiable loss. With the
     engine's ``offload_exact`` the pass's saved tensors wait in host memory
-    (``torch.autograd.graph.save_on_cpu``)."""
+    (``torch.autograd.graph.save_on_cpu``). With ``compressed``, the pass runs under the
+    engine's hooks instead (a policy's probe: what its ``codec_for`` chooses then)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         return None
     offload = contextlib.nullcontext()
     if getattr(engine, "offload_exact", False):
         offload = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
-    with no_side_effects(model), engine.paused(), offload:
+    hooks = engine.scope() if compressed else engine.paused()
+    if compressed:
+        offload = contextlib.nullcontext()
+    with no_side_effects(model), hooks, offload:
         loss = compute_loss()
         if loss is None or not loss.requires_grad:
             return None
@@ -180,6 +185,33 @@ class CalibrationCycle:
         g1, g2 = (mean_over_ranks(g, self.reduce, self.world_size) for g in halves)
         self.policy.set_noise_gradients(g1, g2)  # type: ignore[attr-defined]
         return True
+
+    def add_probes(self, model: nn.Module, compute_loss: Callable[[], torch.Tensor | None]) -> int:
+        """For a policy that measures its sensitivities by probes (``probe_classes``, after
+        the exact gradient was handed over): one more forward and backward of the batch
+        per class it names, under ``begin_probe`` (its ``codec_for`` then compresses that
+        class only), the gradient averaged over ranks handed to ``end_probe``; then
+        ``probes_done`` (the policy settles the step's settings with them). Leaves no
+        trace (:func:`no_side_effects`; the engine's step is begun again before each probe
+        and after the last). Returns the number of probes."""
+        classes = getattr(self.policy, "probe_classes", None)
+        if classes is None or self.step is None:
+            return 0
+        todo = list(classes(self.step))
+        for cls in todo:
+            self.engine.new_step(self.engine.step)  # sites numbered as in the step's pass
+            self.policy.begin_probe(cls)  # type: ignore[attr-defined]
+            grads = None
+            try:
+                grads = exact_gradients(self.engine, model, compute_loss, compressed=True)
+            finally:
+                if grads is not None:
+                    grads = mean_over_ranks(grads, self.reduce, self.world_size)
+                self.policy.end_probe(cls, grads)  # type: ignore[attr-defined]
+        if todo:
+            self.engine.new_step(self.engine.step)  # the probes' records are not the step's
+            self.policy.probes_done()  # type: ignore[attr-defined]
+        return len(todo)
 
     def reset(self) -> None:
         """Forget the step begun: the next :meth:`begin` calls ``begin_step`` again."""

@@ -53,6 +53,7 @@ def compressed_step(
         cycle.add_noise_estimate(model, loss_halves)
     if wants_exact:
         cycle.add_exact_gradient(model, compute_loss)
+        cycle.add_probes(model, compute_loss)
     with engine.scope():
         loss = compute_loss()
     loss.backward()

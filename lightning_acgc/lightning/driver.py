@@ -161,12 +161,12 @@ class CalibrationDriver:
             return
         # Handed over before the forward, as the policy protocol says; with gradient
         # accumulation, before the forward of the step's last batch, with the whole sum.
-        self.cycle.add_exact_gradient(
-            pl_module,
-            step_loss(trainer, pl_module, batch, batch_idx),
-            scale=1.0 / trainer.accumulate_grad_batches,
-            last=not _accumulating(trainer),
-        )
+        loss = step_loss(trainer, pl_module, batch, batch_idx)
+        last = not _accumulating(trainer)
+        scale = 1.0 / trainer.accumulate_grad_batches
+        self.cycle.add_exact_gradient(pl_module, loss, scale=scale, last=last)
+        if last and trainer.accumulate_grad_batches == 1:
+            self.cycle.add_probes(pl_module, loss)  # (the exact gradient is this batch's)
 
     def _wants_noise(self) -> bool:
         """Whether the policy wants the halves' gradients on the step begun."""

@@ -19,9 +19,9 @@ error stays within E = target · e² · ‖g‖² / κ:
 * ``codec="bounded"``: COMET-style |x − x̂| ≤ eb (variance ≤ eb²/3), each tensor's share
   of E in proportion to its size (the previous default; its calibration is unchanged).
 
-The error is held per layer too (:mod:`lightning_acgc.policies.acgc_corrections`; with
-``quant``, a layer over budget through δ puts width floors on the tensors saved around
-it, :mod:`lightning_acgc.policies.acgc_floors`).
+The error is held per layer too (:mod:`~lightning_acgc.policies.acgc_corrections`; with
+``quant``, floors on the tensors around a layer over budget, :mod:`~.acgc_floors`, and
+factors the model guesses measured by probes, :mod:`~.acgc_probes`).
 
 Verify, don't trust: with ``verify=True`` the exact gradient is computed on calibration
 steps; its statistics set the settings of the same step's compressed pass, so the logged
@@ -42,7 +42,7 @@ The engine keeps the loss's tensors (``EngineSettings.compress_loss``): their er
 δ = p − y, so every layer's gradient, and no module's scope holds it (compressed, it was
 blamed on the blocks: quick ResNet at e = 0.05, 1.8-3.1x; kept, 3.8-4.0x).
 
-Cost (``calib_ms``): the extra passes (exact, halves) and the policy's own statistics on a
+Cost (``calib_ms``): the extra passes (exact, halves, probes) and the policy's own statistics on a
 calibration step, host time; ``calib_share``: that over ``calibrate_every`` ordinary
 steps (timed between :meth:`begin_step` and :meth:`end_step`).
 """
@@ -76,6 +76,7 @@ from lightning_acgc.policies.acgc_allocation import (
 from lightning_acgc.policies.acgc_corrections import ModelCorrections
 from lightning_acgc.policies.acgc_floors import ScopeFloors
 from lightning_acgc.policies.acgc_noise import NoiseBudget
+from lightning_acgc.policies.acgc_probes import SensitivityProbes
 from lightning_acgc.policies.acgc_state import ACGCState
 from lightning_acgc.policies.base import Reduce
 from lightning_acgc.policies.bit_allocation import KEEP, LADDER
@@ -87,7 +88,9 @@ __all__ = ["ACGCPolicy"]
 CODECS = ("quant", "bounded")
 
 
-class ACGCPolicy(ACGCState, NoiseBudget, ScopeFloors, ModelCorrections, CalibratingPolicy):
+class ACGCPolicy(
+    ACGCState, NoiseBudget, ScopeFloors, ModelCorrections, SensitivityProbes, CalibratingPolicy
+):
     """Compression settings per saved tensor derived from an allowed gradient error.
 
     Args:
@@ -226,6 +229,8 @@ class ACGCPolicy(ACGCState, NoiseBudget, ScopeFloors, ModelCorrections, Calibrat
     def codec_for(self, site: SiteInfo, x: torch.Tensor) -> Codec | None:
         if error_model.is_norm_statistic(site.module_type, x):
             return None  # a 1/C share of the bytes; its errors compound (error_model)
+        if self._probe is not None:
+            return self.probe_codec(site, x)
         if self._calibrating:
             start = time.perf_counter()
             if site.module_type in error_model.NORM_TYPES:
@@ -341,14 +346,20 @@ class ACGCPolicy(ACGCState, NoiseBudget, ScopeFloors, ModelCorrections, Calibrat
             )
         self._update_target(g_sq)
         self._layer_grad_sq.append(layer)
+        self._step_sens = sens
+        self.settle()
+
+    def settle(self) -> None:
+        """Allocate; the model's prediction for the settings (again after the probes)."""
         self._allocate()
-        variance = {k: self._variance(k) for k in sens}
-        in_force = {k: s for k, s in sens.items() if variance[k] > 0}
+        variance = {k: self._variance(k) for k in self._step_sens}
+        in_force = {k: s for k, s in self._step_sens.items() if variance[k] > 0}
         # the model's own total (λ and μ_m only shift the allocation; κ scales the model)
-        self._predicted = sum(s.total * variance[k] for k, s in in_force.items())
+        probed = {k: self.probed(k, s.weight_by_module, s.other) for k, s in in_force.items()}
+        self._predicted = sum((sum(w.values()) + o) * variance[k] for k, (w, o) in probed.items())
         own: dict[str, float] = {}  # per weight op: the modelled error from its own input
-        for k, s in in_force.items():
-            for m, c in s.weight_by_module.items():
+        for k, (weights, _) in probed.items():
+            for m, c in weights.items():
                 own[m] = own.get(m, 0.0) + c * variance[k]
         self._predicted_own = own
 
@@ -378,7 +389,7 @@ class ACGCPolicy(ACGCState, NoiseBudget, ScopeFloors, ModelCorrections, Calibrat
         self._layer_errors = self.layer_errors(layer_sq)
         e = self.error_target
         layer_sq = {m: v * (self._layer_errors[m] / e) ** 2 for m, v in layer_sq.items()}
-        sens = average(self._sens)
+        sens = self.probed_all(average(self._sens))
         args = (layer_sq, g_sq, e_sq, self.lam, self._own_scale, self.layer_share)
         if self.codec == "bounded":
             self.bounds = bounded_bounds(sens, *args)
@@ -387,14 +398,3 @@ class ACGCPolicy(ACGCState, NoiseBudget, ScopeFloors, ModelCorrections, Calibrat
         meta = self._meta_bits / self.group_size
         widths = quant_widths(sens, self._variances, *args, self._raw_bits, meta, self.floors())
         self.site_bits = {**self.site_bits, **widths}
-
-    # -- reporting and state ---------------------------------------------------
-    def site_settings(self) -> dict[str, str]:
-        if self.codec == "bounded":
-            return {k: f"eb={b:.3g}" for k, b in sorted(self.bounds.items())}
-        return {k: "kept" if b == KEEP else f"bits={b}" for k, b in sorted(self.site_bits.items())}
-
-    def describe(self, codec: Codec) -> str:
-        if codec.name == "quant":
-            return f"bits={codec.config.bits}"
-        return super().describe(codec)

@@ -26,6 +26,7 @@ measured 0.16-0.27 against e = 0.5.
 
 from __future__ import annotations
 
+from lightning_acgc.policies.acgc_allocation import average
 from lightning_acgc.policies.bit_allocation import KEEP, LADDER, allocate_to_error
 from lightning_acgc.policies.error_model import BIAS_FLOOR, SATURATING_TYPES
 
@@ -77,9 +78,10 @@ class ScopeFloors:
             scope = parent(module)
             if r > 1 and through_delta.get(module, 0.0) > 1:
                 scope_over[scope] = max(scope_over.get(scope, 0.0), through_delta[module])
+        factor = getattr(self, "other_factor", lambda key, w, o: o)  # measured if probed
         others = {
-            key: sum(o for _, _, o in readings) / len(readings)
-            for key, readings in self._sens.items()
+            key: factor(key, w, o)
+            for key, (_, w, o) in average(self._sens).items()
             if key in self._variances
         }
         others = {k: o for k, o in others.items() if o > 0}
@@ -173,10 +175,13 @@ class ScopeFloors:
 
     def floors(self) -> dict[str, int]:
         """The smallest width per tensor the allocation must respect: the measured floors,
-        and :data:`~lightning_acgc.policies.error_model.BIAS_FLOOR` for the saved outputs
-        of saturating activations (a bias, not a variance: the error model does not see
-        it)."""
+        the probes' (:mod:`~lightning_acgc.policies.acgc_probes`), and
+        :data:`~lightning_acgc.policies.error_model.BIAS_FLOOR` for the saved outputs of
+        saturating activations (a bias, not a variance: the error model does not see it)."""
         floors = dict(getattr(self, "_floors", None) or {})
+        probe_floors = getattr(self, "probe_floors", dict)()  # acgc_probes: PROBE_WIDTH
+        for key, width in probe_floors.items():
+            floors[key] = max(floors.get(key, LADDER[0]), width, key=ORDER.index)
         for key, record in getattr(self, "_structure", {}).items():
             if record.module_type in SATURATING_TYPES:
                 floors[key] = max(floors.get(key, LADDER[0]), BIAS_FLOOR, key=ORDER.index)

@@ -1,4 +1,5 @@
-"""acgc's checkpoint state: what a resumed run needs to continue with the same settings."""
+"""acgc's checkpoint state (what a resumed run needs to continue with the same settings)
+and its settings as reported."""
 
 from __future__ import annotations
 
@@ -6,15 +7,16 @@ import dataclasses
 from collections import deque
 from typing import Any
 
+from lightning_acgc.codecs.base import Codec
 from lightning_acgc.engine.meter import SiteRecord
-from lightning_acgc.policies.bit_allocation import LADDER
+from lightning_acgc.policies.bit_allocation import KEEP, LADDER
 
 __all__ = ["ACGCState"]
 
 
 class ACGCState:
-    """``state_dict``/``load_state_dict`` of :class:`~lightning_acgc.policies.acgc.ACGCPolicy`
-    (a mixin over its attributes)."""
+    """``state_dict``/``load_state_dict``, ``site_settings`` and ``describe`` of
+    :class:`~lightning_acgc.policies.acgc.ACGCPolicy` (a mixin over its attributes)."""
 
     history: int
     codec: str
@@ -39,6 +41,9 @@ class ACGCState:
             "layer_grad_sq": list(self._layer_grad_sq),
             "inv_var": dict(self._inv_var),
             "structure": {k: dataclasses.asdict(r) for k, r in self._structure.items()},
+            "probe_readings": {k: list(v) for k, v in self._probe_readings.items()},
+            "probed_at": dict(self._probed_at),
+            "probe_count": self._probe_count,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -73,3 +78,18 @@ class ACGCState:
             k: SiteRecord(**{**r, "shape": tuple(r["shape"])})
             for k, r in state["structure"].items()
         }
+        self._probe_readings = {
+            k: deque(v, maxlen=self.history) for k, v in state.get("probe_readings", {}).items()
+        }
+        self._probed_at = {c: int(n) for c, n in state.get("probed_at", {}).items()}
+        self._probe_count = int(state.get("probe_count", 0))
+
+    def site_settings(self) -> dict[str, str]:
+        if self.codec == "bounded":
+            return {k: f"eb={b:.3g}" for k, b in sorted(self.bounds.items())}
+        return {k: "kept" if b == KEEP else f"bits={b}" for k, b in sorted(self.site_bits.items())}
+
+    def describe(self, codec: Codec) -> str:
+        if codec.name == "quant":
+            return f"bits={codec.config.bits}"
+        return super().describe(codec)  # type: ignore[misc]

@@ -1,0 +1,217 @@
+"""acgc's sensitivity probes: the measured effect of the tensors the error model guesses.
+
+The error model (:mod:`lightning_acgc.policies.error_model`) is exact in expectation for
+a weight op's saved input, but for every other saved tensor (a norm's input, an
+activation's output, what an attention module saves inside) it uses one heuristic
+factor per module: ``mean fan-in · ‖δ‖²``. Measured against the exact gradient on the
+quick BERT recipe (4-bit rounding of one kind of tensor in every layer) that factor is
+500-2000x too high for the query, key and value an attention module saves for its
+products and 25x too low for its dropped-out probabilities; on the quick ResNet it is
+3-25x too high for BatchNorm inputs and ReLU outputs. The allocation then spends its
+bits where they buy nothing: BERT-base at e = 0.05 kept q, k and v at 32 bits, 44% of
+the bytes it kept.
+
+A probe measures instead. On a verified calibration, after the exact gradient: one more
+forward and backward of the same batch (random state restored) with only one *class* of
+tensors compressed, at ``PROBE_WIDTH`` bits, every other saved tensor kept. A class is
+a site key with the numeric parts of its module path replaced (the same tensor of every
+block of a stack: ``encoder.layer.*.attention.self:0``). Each module's measured
+‖ĝ_m − g_m‖² is put on the class's tensor nearest to it (the longest common module path;
+ties share), as a factor per unit of that tensor's rounding variance: the tensor's
+sensitivity then has one entry per module it reaches, like a weight op's input, so the
+per-layer promise sees it (rounding the query moves the key's gradient, a small one),
+and its heuristic other-op factor is dropped. Each entry is kept as a multiple of that
+heuristic factor, which follows ‖δ‖² from calibration to calibration. Only classes whose
+modelled error is mostly the heuristic part are probed. Each calibration probes up to
+``max_probes`` classes not probed yet, the most bytes first (BERT-base: 15 classes, so
+the warm-up's second and third calibrations take 8 and 7 more passes, a one-time cost);
+once all are, it re-probes ``probe_refresh`` class, the oldest reading first. A probed
+tensor keeps at least ``PROBE_WIDTH`` bits: below it the reading says nothing (at 1 bit
+a ReLU output loses its exact zeros, its backward's mask).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import deque
+
+import torch
+
+from lightning_acgc.codecs.base import Codec
+from lightning_acgc.codecs.quant import QuantWidthConfig
+from lightning_acgc.engine.sites import SiteInfo
+from lightning_acgc.policies._acgc_stats import per_module_sq
+from lightning_acgc.policies.acgc_allocation import Sensitivity, average
+from lightning_acgc.policies.bit_allocation import LADDER
+
+__all__ = ["PROBE_WIDTH", "SensitivityProbes", "tensor_class"]
+
+PROBE_WIDTH = 2
+_INDEX = re.compile(r"\.\d+(?=[.:])")
+
+
+def tensor_class(key: str) -> str:
+    """The probe class of site ``key``: its module path with numeric parts as ``*``.
+
+    Example:
+        >>> tensor_class("net.encoder.layer.11.attention.self:4")
+        'net.encoder.layer.*.attention.self:4'
+        >>> tensor_class("net.layer1.0.bn1:0")
+        'net.layer1.*.bn1:0'
+    """
+    return _INDEX.sub(".*", key)
+
+
+class SensitivityProbes:
+    """Mixin of :class:`~lightning_acgc.policies.acgc.ACGCPolicy` (``quant`` codec):
+    probes per tensor class and the per-module factors they measure (module docstring).
+    Uses the policy's ``codec``, ``verify``, ``history``, ``group_size``, ``_meta``,
+    ``_calibrating``, ``_exact``, ``_sens``, ``_variances``, ``_metrics``, ``_calib_s``,
+    ``_lap`` and ``settle``."""
+
+    probe_refresh = 1  # classes re-probed per calibration once all have a reading
+    max_probes = 8  # classes first probed per calibration (the largest first)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._probe: str | None = None  # the class being probed
+        self._probe_var: dict[str, float] = {}  # its tensors' variance at PROBE_WIDTH
+        # per probed tensor: its measured factor per module, per reading
+        self._probe_readings: dict[str, deque[dict[str, float]]] = {}
+        self._probed_at: dict[str, int] = {}  # class -> calibration count of its last probe
+        self._probe_count = 0  # calibrations that probed
+
+    # -- which classes ------------------------------------------------------------
+    def _probe_candidates(self) -> dict[str, int]:
+        """Bytes per class of the tensors whose modelled error is mostly the heuristic
+        other-op part (the weight-op part is exact in expectation: nothing to learn)."""
+        out: dict[str, int] = {}
+        for key, (numel, weights, other) in average(self._sens).items():
+            if key in self._variances and other > sum(weights.values()):
+                cls = tensor_class(key)
+                out[cls] = out.get(cls, 0) + numel
+        return out
+
+    def probe_classes(self, step: int) -> list[str]:
+        """The classes to probe on ``step`` (after its exact gradient): up to
+        ``max_probes`` not yet probed (the most bytes first), else the ``probe_refresh``
+        probed longest ago; none off calibration."""
+        if not (self.codec == "quant" and self.verify and self._calibrating):
+            return []
+        if self._exact is None or not self._sens:
+            return []
+        candidates = self._probe_candidates()
+        fresh = sorted((c for c in candidates if c not in self._probed_at), key=candidates.get)
+        chosen = (
+            fresh[::-1][: self.max_probes]
+            or sorted(candidates, key=self._probed_at.__getitem__)[: self.probe_refresh]
+        )
+        self._probe_count += bool(chosen)
+        return chosen
+
+    # -- one probe ------------------------------------------------------------------
+    def begin_probe(self, cls: str) -> None:
+        """The next pass compresses class ``cls`` only (see :meth:`probe_codec`)."""
+        self._probe, self._probe_var = cls, {}
+
+    def probe_codec(self, site: SiteInfo, x: torch.Tensor) -> Codec | None:
+        """In a probe pass: ``PROBE_WIDTH`` bits for the probed class's tensors with a
+        variance table, nothing for every other tensor."""
+        table = self._variances.get(site.key)
+        if table is None or tensor_class(site.key) != self._probe or not x.is_floating_point():
+            return None
+        self._probe_var[site.key] = table[LADDER.index(PROBE_WIDTH)]
+        return self._codec(
+            "quant",
+            QuantWidthConfig,
+            bits=PROBE_WIDTH,
+            group_size=self.group_size,
+            **self._meta,
+        )
+
+    def end_probe(self, cls: str, grads: dict[str, torch.Tensor] | None) -> None:
+        """Read the probe pass's gradient ``grads`` against the exact one: per module, its
+        error on the class's nearest tensor, per unit of that tensor's variance, as a
+        multiple of the tensor's heuristic factor now (so that it follows ‖δ‖² as the
+        gradients shrink: absolute readings from early steps, 100x too high once the loss
+        had fallen, broke the per-layer promise by 1.7x and left 1.3x)."""
+        self._probe, probed = None, self._probe_var
+        self._probed_at[cls] = self._probe_count
+        if grads is None or self._exact is None or not probed:
+            return
+        sens = average({k: self._sens[k] for k in probed if k in self._sens})
+        probed = {k: v for k, v in probed.items() if k in sens and sens[k][2] > 0}
+        err = per_module_sq({n: grads[n] - g for n, g in self._exact.items() if n in grads})
+        factors: dict[str, dict[str, float]] = {k: {} for k in probed}
+        for module, e in err.items():
+            if probed and e > 0 and math.isfinite(e):
+                nearest = _nearest(module, list(probed))
+                var = sum(probed[k] for k in nearest)
+                for k in nearest:
+                    factors[k][module] = e / var / sens[k][2] if var > 0 else 0.0
+        for key, f in factors.items():
+            self._probe_readings.setdefault(key, deque(maxlen=self.history)).append(f)
+        self._metrics["probes"] = self._metrics.get("probes", 0.0) + 1
+
+    def probes_done(self) -> None:
+        """After the step's probes: the step's settings allocated again with them."""
+        if self._metrics.get("probes"):
+            self.settle()
+            self._calib_s += self._lap()  # the probe passes and the settling
+
+    # -- what the allocation reads -----------------------------------------------------
+    def probe_ratios(self, key: str) -> dict[str, float] | None:
+        """Tensor ``key``'s measured factor per module over its heuristic factor (mean of
+        its readings; a module missing from a reading counts 0), ``None`` if never
+        probed."""
+        readings = self._probe_readings.get(key)
+        if not readings:
+            return None
+        out: dict[str, float] = {}
+        for reading in readings:
+            for m, c in reading.items():
+                out[m] = out.get(m, 0.0) + c / len(readings)
+        return out
+
+    def probed(
+        self, key: str, weights: dict[str, float], other: float
+    ) -> tuple[dict[str, float], float]:
+        """A sensitivity with the probe's factors: its weight-op entries (analytic) kept,
+        the measured ones added for every other module, the heuristic ``other`` dropped."""
+        ratios = self.probe_ratios(key)
+        if not ratios or not any(ratios.values()):
+            return weights, other  # (exact at the probe's width: its variance table says so)
+        return {**{m: r * other for m, r in ratios.items()}, **weights}, 0.0
+
+    def other_factor(self, key: str, weights: dict[str, float], other: float) -> float:
+        """The part of a sensitivity outside its weight-op entries: measured (the probe's
+        factors for the other modules) or, never probed, the heuristic ``other``."""
+        ratios = self.probe_ratios(key)
+        if not ratios or not any(ratios.values()):
+            return other
+        return sum(r * other for m, r in ratios.items() if m not in weights)
+
+    def probed_all(self, sens: dict[str, Sensitivity]) -> dict[str, Sensitivity]:
+        """:meth:`probed` over averaged sensitivities ``(numel, weights, other)``."""
+        return {k: (n, *self.probed(k, w, o)) for k, (n, w, o) in sens.items()}
+
+    def probe_floors(self) -> dict[str, int]:
+        """``PROBE_WIDTH`` for the probed tensors (below it a reading says nothing)."""
+        return {k: PROBE_WIDTH for k in self._probe_readings if k in self._variances}
+
+
+def _nearest(module: str, keys: list[str]) -> list[str]:
+    """The site keys whose module path shares the most leading parts with ``module``."""
+    parts = module.split(".")
+
+    def common(key: str) -> int:
+        n = 0
+        for a, b in zip(parts, key.rpartition(":")[0].split("."), strict=False):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    best = max(map(common, keys))
+    return [k for k in keys if common(k) == best]

@@ -1,0 +1,188 @@
+"""acgc's sensitivity probes: one more pass per class of tensors the error model guesses,
+its measured error per module put on the class's nearest tensor."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_acgc import ActivationCompression
+from lightning_acgc.engine import ActivationCompressor, EngineSettings, compressed_step
+from lightning_acgc.policies import ACGCPolicy, build_policy
+from lightning_acgc.policies.acgc_allocation import quant_widths
+from lightning_acgc.policies.acgc_probes import PROBE_WIDTH, tensor_class
+from lightning_acgc.policies.bit_allocation import LADDER
+from tests._lightning_models import fit
+
+
+def _table(scale: float) -> list[float]:
+    return [scale / (2**b - 1) ** 2 for b in LADDER]
+
+
+def _two_blocks() -> ACGCPolicy:
+    """Tensor ``attn:0`` of blocks 0 and 1 (one class), modelled by the heuristic alone."""
+    policy = ACGCPolicy(gradient_error=0.1)
+    for block in (0, 1):
+        key = f"enc.{block}.attn:0"
+        policy._sens[key] = deque([(1000, {}, 5.0)])
+        policy._variances[key] = _table(1.0)
+    return policy
+
+
+def test_a_probe_puts_each_module_error_on_the_nearest_tensor() -> None:
+    """The query of block 0 moved by 4, that of block 1 by 9, the head (no nearer tensor
+    than the other) by 1: each block's tensor gets its own query's error per unit of its
+    variance, both share the head's; their heuristic other-op factor is dropped."""
+    policy = _two_blocks()
+    cls = "enc.*.attn:0"
+    assert tensor_class("enc.1.attn:0") == cls
+    policy._exact = {n: torch.zeros(2) for n in ("enc.0.q.weight", "enc.1.q.weight", "head.weight")}
+    policy.begin_probe(cls)
+    v = _table(1.0)[LADDER.index(PROBE_WIDTH)]
+    policy._probe_var = {"enc.0.attn:0": v, "enc.1.attn:0": v}
+    grads = {
+        "enc.0.q.weight": torch.tensor([2.0, 0.0]),
+        "enc.1.q.weight": torch.tensor([0.0, 3.0]),
+        "head.weight": torch.tensor([1.0, 0.0]),
+    }
+    policy.end_probe(cls, grads)
+    other = 5.0  # the heuristic factor at the probe: the readings are kept relative to it
+    assert policy.probe_ratios("enc.0.attn:0") == pytest.approx(
+        {"enc.0.q": 4 / v / other, "head": 1 / (2 * v) / other}
+    )
+    assert policy.probe_ratios("enc.1.attn:0") == pytest.approx(
+        {"enc.1.q": 9 / v / other, "head": 1 / (2 * v) / other}
+    )
+    weights, left = policy.probed("enc.0.attn:0", {"enc.0.out": 2.0}, other)
+    assert left == 0.0 and weights["enc.0.out"] == 2.0
+    assert weights["enc.0.q"] == pytest.approx(4 / v)
+    # the gradients shrank 100x since: so did the heuristic factor, and the measured ones
+    assert policy.probed("enc.0.attn:0", {}, other / 100)[0]["enc.0.q"] == pytest.approx(
+        4 / v / 100
+    )
+    assert policy.other_factor("enc.0.attn:0", {}, other) == pytest.approx(4 / v + 1 / (2 * v))
+    assert set(policy.probe_floors()) == {"enc.0.attn:0", "enc.1.attn:0"}
+
+
+def test_a_probe_that_measures_nothing_leaves_the_model_as_it_was() -> None:
+    """Rounding that never reaches the gradient (a dropout mask: two levels, exact at any
+    width) measures 0: the variance table already says so, the model stays."""
+    policy = _two_blocks()
+    policy._exact = {"enc.0.q.weight": torch.zeros(2)}
+    policy.begin_probe("enc.*.attn:0")
+    policy._probe_var = {"enc.0.attn:0": 0.1}
+    policy.end_probe("enc.*.attn:0", {"enc.0.q.weight": torch.zeros(2)})
+    assert policy.probed("enc.0.attn:0", {}, 5.0) == ({}, 5.0)
+
+
+def test_the_probed_tensor_that_reaches_nothing_gets_fewer_bits() -> None:
+    """Two tensors the heuristic rates alike; the probe finds one 1000x less sensitive.
+    The allocation gives it fewer bits (and not fewer than the probe's width)."""
+    policy = _two_blocks()
+    policy._probe_readings["enc.0.attn:0"] = deque([{"enc.0.q": 1e-3}])
+    policy._probe_readings["enc.1.attn:0"] = deque([{"enc.1.q": 1.0}])
+    sens = policy.probed_all({k: policy._sens[k][0] for k in policy._sens})
+    layer_sq = {"enc.0.q": 1.0, "enc.1.q": 1.0}
+    widths = quant_widths(
+        sens, policy._variances, layer_sq, 2.0, 1e-3, lambda k: 1.0, lambda m: 1.0, 0.5,
+        {}, 0.125, policy.floors(),
+    )  # fmt: skip
+    low, high = widths["enc.0.attn:0"], widths["enc.1.attn:0"]
+    assert PROBE_WIDTH <= low < high
+
+
+class _Attention(nn.Module):
+    """Single-head attention written out, so that it saves q, k, the probabilities and v."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ self.k(x).transpose(1, 2) / x.shape[-1] ** 0.5
+        return self.drop(scores.softmax(-1)) @ self.v(x)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 32), _Attention(32), nn.LayerNorm(32), _Attention(32), nn.Linear(32, 1)
+    )
+
+
+def test_probes_run_on_calibration_steps_and_leave_no_trace() -> None:
+    """Probes run after the exact gradient of a calibration with sensitivities: the
+    step's loss is the plain loss of the same batch (dropout draws the same masks), its
+    site records are the compressed pass's alone, and the promise holds."""
+    model = _model()
+    policy = build_policy("acgc", gradient_error=0.1, calibrate_every=2)
+    engine = ActivationCompressor(policy, model=model, settings=EngineSettings(min_numel=64))
+    engine.install()
+    policy.setup(model)
+    x = torch.randn(4, 16, 8, generator=torch.Generator().manual_seed(1))
+    try:
+        for step in range(5):
+            torch.manual_seed(100 + step)
+            plain = model(x).square().mean()
+            torch.manual_seed(100 + step)
+            model.zero_grad()
+            loss = compressed_step(engine, model, lambda: model(x).square().mean(), step)
+            metrics = policy.metrics()
+            assert torch.equal(loss, plain)
+            assert sum(r.raw_bytes for r in engine.stats.sites.values()) == engine.stats.saved_bytes
+            if step in (1, 2):
+                assert metrics["probes"] >= 1, (step, metrics)
+            if "grad_error" in metrics:
+                assert metrics["grad_error"] <= 0.1, (step, metrics)
+    finally:
+        engine.remove()
+        policy.teardown()
+    assert policy._probe_readings
+    state = policy.state_dict()
+    fresh = ACGCPolicy(gradient_error=0.1)
+    fresh.load_state_dict(state)
+    assert fresh.probe_ratios(next(iter(state["probe_readings"]))) is not None
+
+
+class _AttentionModule(LightningModule):
+    """:func:`_model` on fixed random sequences; records, per ``training_step`` call,
+    whether it was a calibration re-run (an exact pass or a probe)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _model()
+        self.calls: list[bool] = []
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
+        self.calls.append(getattr(self, "acgc_calibrating", False))
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x).squeeze(-1), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(32, 16, 8, generator=g), torch.randn(32, 16, generator=g))
+        return DataLoader(data, batch_size=8)
+
+
+def test_lightning_runs_the_probes_as_calibration_calls() -> None:
+    """Through the callback: the warm-up's second calibration probes every kind of
+    guessed tensor (at most ``max_probes``), the third re-probes one; each probe is one
+    more flagged call."""
+    model = _AttentionModule()
+    cb = ActivationCompression("acgc", calibrate_every=100, min_numel=64, print_table=False)
+    fit(model, [cb], max_steps=4, max_epochs=-1)
+    classes = len(cb.policy._probed_at)
+    assert 0 < classes <= cb.policy.max_probes  # all probed at step 1
+    assert model.calls.count(False) == 4
+    # the exact passes of steps 0-2; step 1 probes every kind, step 2 the oldest again
+    assert model.calls.count(True) == 3 + classes + cb.policy.probe_refresh
+    assert "acgc_calibrating" not in model.__dict__
