@@ -31,7 +31,7 @@ import math
 from collections import deque
 
 from lightning_acgc.policies.acgc_allocation import UNCONSTRAINED
-from lightning_acgc.policies.acgc_floors import parent, within
+from lightning_acgc.policies.acgc_floors import ORDER, parent, within
 from lightning_acgc.policies.bit_allocation import KEEP
 
 __all__ = ["ModelCorrections"]
@@ -48,6 +48,7 @@ class ModelCorrections:
     max_tightening = 16.0  # largest increase of λ or μ_m per reading
     min_correction = 1.0  # quant: smallest μ_m (below 1 loosened layers past e: see report)
     layer_floor = 1e-12  # modules with ‖g_m‖² below this share of ‖g‖² are not held to e
+    _aimed_full = False  # whether a reading was taken at the full aim (after first_aim's)
     violation_memory = 0.97  # per calibration without a violation, the remembered value fades
 
     @property
@@ -89,6 +90,12 @@ class ModelCorrections:
             self.kappa /= self.max_loosening
             return self.kappa / before
         reading = max(err_sq / self._predicted, 1e-3)
+        if self.codec == "quant" and self._readings and not self._aimed_full:
+            # The first reading was taken at ``first_aim`` of the budget, mostly at 8 bits,
+            # where the model reads high: mixed into the mean with the first reading at
+            # the full aim, it left κ 3x low and BERT-base 1.46x over a layer's budget.
+            self._readings.clear()
+            self._aimed_full = True
         self._readings.append(reading)
         if self.codec == "quant":
             # Both ways: the geometric mean of the last readings; at once to the latest
@@ -108,13 +115,17 @@ class ModelCorrections:
         module_err: dict[str, float],
         g_sq: float,
         kappa_change: float = 1.0,
+        repair: bool = False,
     ) -> None:
         """Per-layer check. A module over its budget target · e²‖g_m‖² by a factor r
         tightens, by r, both possible sources: its own input (μ_m, weight ops) and the
         other ops (λ, for the worst module). Each correction is the largest of its last
         ``history`` readings, so it falls back at once where a tightening was not needed,
         and rises at most ``max_tightening`` per reading, so a source that was not the
-        cause does not ratchet up."""
+        cause does not ratchet up. With ``repair`` (quant), settings measured over budget
+        are allocated again at once with the corrections, never loosening a tensor:
+        otherwise they stayed in force until the next calibration (BERT-base: the warm-up's
+        last allocation, 1.46x over a layer's budget, for 97 steps)."""
         worst = use = 0.0
         needs: dict[str, float] = {}  # measured error / budget, per module
         through_delta: dict[str, float] = {}  # the part of that not from its own input
@@ -168,6 +179,14 @@ class ModelCorrections:
             if self.codec == "quant" and through_delta.get(module, 0.0) > 1:
                 need = min(need, 1.0)  # δ's part is over: the floors take it, μ_m holds
             self._add_reading(readings, need, floor, module)
+        over = self._metrics.get("tightened") or self._metrics["layer_budget_use"] > 1
+        if repair and over and self.codec == "quant" and getattr(self, "_step_sens", None):
+            verified = dict(self.site_bits)
+            self.settle()  # type: ignore[attr-defined]
+            self.site_bits = {
+                k: max(b, verified.get(k, b), key=ORDER.index) for k, b in self.site_bits.items()
+            }
+            self._metrics["repaired"] = 1.0
 
     def _add_reading(self, readings: deque[float], need: float, floor: float, key: str) -> None:
         """One reading of a per-layer correction (the largest of its ``readings``): the
