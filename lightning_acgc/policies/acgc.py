@@ -305,7 +305,7 @@ class ACGCPolicy(
             }
         if self._exact is not None and g_sq > 0:
             change = self._measure(g_sq, err_sq)
-            self._measure_layers(module_g, module_err, g_sq, change, repair=True)
+            self._measure_layers(module_g, module_err, g_sq, change)
         elif self._exact is None and g_sq > 0:
             # cheap mode: settings for the next steps (module_g is the compressed gradient's)
             self._calibrate(grad_sq, g_sq, self._weight_ops(module_g))
