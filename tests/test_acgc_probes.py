@@ -20,6 +20,13 @@ from lightning_acgc.policies.bit_allocation import LADDER
 from tests._lightning_models import fit
 
 
+def test_probes_are_off_by_default() -> None:
+    """No probe runs unless ``max_probes`` is set (README: they broke the promise once)."""
+    policy = _two_blocks()
+    policy._calibrating, policy._exact = True, {}
+    assert policy.max_probes == 0 and policy.probe_classes(1) == []
+
+
 def _table(scale: float) -> list[float]:
     return [scale / (2**b - 1) ** 2 for b in LADDER]
 
@@ -122,6 +129,7 @@ def test_probes_run_on_calibration_steps_and_leave_no_trace() -> None:
     site records are the compressed pass's alone, and the promise holds."""
     model = _model()
     policy = build_policy("acgc", gradient_error=0.1, calibrate_every=2)
+    policy.max_probes = 8  # off by default (README)
     engine = ActivationCompressor(policy, model=model, settings=EngineSettings(min_numel=64))
     engine.install()
     policy.setup(model)
@@ -179,6 +187,7 @@ def test_lightning_runs_the_probes_as_calibration_calls() -> None:
     more flagged call."""
     model = _AttentionModule()
     cb = ActivationCompression("acgc", calibrate_every=100, min_numel=64, print_table=False)
+    cb.policy.max_probes = 8  # off by default (README)
     fit(model, [cb], max_steps=4, max_epochs=-1)
     classes = len(cb.policy._probed_at)
     assert 0 < classes <= cb.policy.max_probes  # all probed at step 1
@@ -186,17 +195,3 @@ def test_lightning_runs_the_probes_as_calibration_calls() -> None:
     # the exact passes of steps 0-2; step 1 probes every kind, step 2 the oldest again
     assert model.calls.count(True) == 3 + classes + cb.policy.probe_refresh
     assert "acgc_calibrating" not in model.__dict__
-
-
-def test_the_first_aims_reading_leaves_kappa_once_a_full_aim_is_read() -> None:
-    """The first reading (at 1/16 of the budget, mostly 8 bits) is dropped when the
-    first one at the full aim arrives: κ follows that one alone."""
-    policy = ACGCPolicy(gradient_error=0.05)
-    policy._predicted = 1.0
-    policy._measure(g_sq=1e6, err_sq=0.1)  # reading 0.1 at the first aim
-    policy._predicted = 1.0
-    policy._measure(g_sq=1e6, err_sq=0.8)  # reading 0.8 at the full aim
-    assert list(policy._readings) == [0.8] and policy.kappa == pytest.approx(0.8)
-    policy._predicted = 1.0
-    policy._measure(g_sq=1e6, err_sq=0.2)  # later readings are averaged as before
-    assert list(policy._readings) == [0.8, 0.2] and policy.kappa == pytest.approx(0.4)

@@ -21,7 +21,7 @@ error stays within E = target · e² · ‖g‖² / κ:
 
 The error is held per layer too (:mod:`~lightning_acgc.policies.acgc_corrections`; with
 ``quant``, floors on the tensors around a layer over budget, :mod:`~.acgc_floors`, and
-factors the model guesses measured by probes, :mod:`~.acgc_probes`).
+factors the model guesses measured by probes, off by default, :mod:`~.acgc_probes`).
 
 Verify, don't trust: with ``verify=True`` the exact gradient is computed on calibration
 steps; its statistics set the settings of the same step's compressed pass, so the logged

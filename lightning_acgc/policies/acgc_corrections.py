@@ -48,7 +48,6 @@ class ModelCorrections:
     max_tightening = 16.0  # largest increase of λ or μ_m per reading
     min_correction = 1.0  # quant: smallest μ_m (below 1 loosened layers past e: see report)
     layer_floor = 1e-12  # modules with ‖g_m‖² below this share of ‖g‖² are not held to e
-    _aimed_full = False  # whether a reading was taken at the full aim (after first_aim's)
     violation_memory = 0.97  # per calibration without a violation, the remembered value fades
 
     @property
@@ -90,12 +89,6 @@ class ModelCorrections:
             self.kappa /= self.max_loosening
             return self.kappa / before
         reading = max(err_sq / self._predicted, 1e-3)
-        if self.codec == "quant" and self._readings and not self._aimed_full:
-            # The first reading was taken at ``first_aim`` of the budget, mostly at 8 bits,
-            # where the model reads high: mixed into the mean with the first reading at
-            # the full aim, it left κ 3x low and BERT-base 1.46x over a layer's budget.
-            self._readings.clear()
-            self._aimed_full = True
         self._readings.append(reading)
         if self.codec == "quant":
             # Both ways: the geometric mean of the last readings; at once to the latest
@@ -121,10 +114,7 @@ class ModelCorrections:
         other ops (λ, for the worst module). Each correction is the largest of its last
         ``history`` readings, so it falls back at once where a tightening was not needed,
         and rises at most ``max_tightening`` per reading, so a source that was not the
-        cause does not ratchet up. The corrections act on the next calibration's
-        allocation: allocating again at once after a miss (never loosening a tensor) was
-        tried and cost the sweep's short fits up to 3x of their ratio (BERT at e = 0.05:
-        4.97x -> 1.51x at the same loss), the new κ, λ, μ and floors tightening together."""
+        cause does not ratchet up."""
         worst = use = 0.0
         needs: dict[str, float] = {}  # measured error / budget, per module
         through_delta: dict[str, float] = {}  # the part of that not from its own input

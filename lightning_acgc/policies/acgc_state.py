@@ -44,7 +44,6 @@ class ACGCState:
             "probe_readings": {k: list(v) for k, v in self._probe_readings.items()},
             "probed_at": dict(self._probed_at),
             "probe_count": self._probe_count,
-            "aimed_full": self._aimed_full,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -84,7 +83,6 @@ class ACGCState:
         }
         self._probed_at = {c: int(n) for c, n in state.get("probed_at", {}).items()}
         self._probe_count = int(state.get("probe_count", 0))
-        self._aimed_full = bool(state.get("aimed_full", len(self._readings) > 1))
 
     def site_settings(self) -> dict[str, str]:
         if self.codec == "bounded":
