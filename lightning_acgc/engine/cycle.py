@@ -56,11 +56,9 @@ def exact_gradients(
     if not named:
         return None
     offload = contextlib.nullcontext()
-    if getattr(engine, "offload_exact", False):
+    if getattr(engine, "offload_exact", False) and not compressed:
         offload = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
     hooks = engine.scope() if compressed else engine.paused()
-    if compressed:
-        offload = contextlib.nullcontext()
     with no_side_effects(model), hooks, offload:
         loss = compute_loss()
         if loss is None or not loss.requires_grad:

@@ -62,7 +62,7 @@ class ScopeFloors:
     """Mixin of :class:`~lightning_acgc.policies.acgc.ACGCPolicy`: ``_floors`` (site key →
     smallest width) and ``_floor_scopes`` (site key → the scope that set its floor) from the
     per-layer readings. Uses ``site_bits``, ``_variances``,
-    ``_sens``, ``_raw_bits`` and ``initial_width``."""
+    ``_sens``, ``_raw_bits``, ``initial_width``, ``other_factor`` and ``probe_floors``."""
 
     def _update_floors(self, needs: dict[str, float], through_delta: dict[str, float]) -> None:
         """Tighten or loosen the floors of the other-ops tensors around each module.
@@ -78,9 +78,8 @@ class ScopeFloors:
             scope = parent(module)
             if r > 1 and through_delta.get(module, 0.0) > 1:
                 scope_over[scope] = max(scope_over.get(scope, 0.0), through_delta[module])
-        factor = getattr(self, "other_factor", lambda key, w, o: o)  # measured if probed
         others = {
-            key: factor(key, w, o)
+            key: self.other_factor(key, w, o)  # measured where probed (acgc_probes)
             for key, (_, w, o) in average(self._sens).items()
             if key in self._variances
         }
@@ -179,8 +178,7 @@ class ScopeFloors:
         :data:`~lightning_acgc.policies.error_model.BIAS_FLOOR` for the saved outputs of
         saturating activations (a bias, not a variance: the error model does not see it)."""
         floors = dict(getattr(self, "_floors", None) or {})
-        probe_floors = getattr(self, "probe_floors", dict)()  # acgc_probes: PROBE_WIDTH
-        for key, width in probe_floors.items():
+        for key, width in self.probe_floors().items():  # acgc_probes: PROBE_WIDTH
             floors[key] = max(floors.get(key, LADDER[0]), width, key=ORDER.index)
         for key, record in getattr(self, "_structure", {}).items():
             if record.module_type in SATURATING_TYPES:

@@ -193,10 +193,8 @@ class SensitivityProbes:
     def other_factor(self, key: str, weights: dict[str, float], other: float) -> float:
         """The part of a sensitivity outside its weight-op entries: measured (the probe's
         factors for the other modules) or, never probed, the heuristic ``other``."""
-        ratios = self.probe_ratios(key)
-        if not ratios or not any(ratios.values()):
-            return other
-        return sum(r * other for m, r in ratios.items() if m not in weights)
+        measured, left = self.probed(key, weights, other)
+        return left + sum(c for m, c in measured.items() if m not in weights)
 
     def probed_all(self, sens: dict[str, Sensitivity]) -> dict[str, Sensitivity]:
         """:meth:`probed` over averaged sensitivities ``(numel, weights, other)``."""
