@@ -376,7 +376,7 @@ class ACGCPolicy(
         e_sq = self.error_target**2 * self.target / self.kappa
         if self.codec == "quant" and self.verify and not self._readings:
             e_sq *= self.first_aim  # κ is a guess until the first measurement
-        g_sq = sum(self._grad_sq) / len(self._grad_sq)
+        g_sq = self._budget_grad_sq
         layer_sq: dict[str, float] = {}
         for reading in self._layer_grad_sq:
             for m, v in reading.items():

@@ -66,6 +66,17 @@ class NoiseBudget:
         """The loosest error any budget allows: ``gradient_error``, else ``max_error``."""
         return min(self.gradient_error or self.max_error, self.max_error)
 
+    @property
+    def _budget_grad_sq(self) -> float:
+        """The ‖g‖² the allocation's budget E = e²‖g‖² is stated against: the smallest of
+        the last ``history`` calibrations' (their mean with a noise budget, whose e is
+        already relative to the mean). The promise holds each step to its own ‖g‖: on a
+        300-step CNN run (batch 16) a batch with 0.28x the mean ‖g‖² measured 1.69e with
+        settings allocated for the mean."""
+        if self.noise_ratio is None:
+            return min(self._grad_sq)
+        return sum(self._grad_sq) / len(self._grad_sq)
+
     def _update_target(self, g_sq: float) -> None:
         """This calibration's allowed error e: ``gradient_error`` and/or the noise budget."""
         self._grad_sq.append(g_sq)
