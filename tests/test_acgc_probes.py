@@ -195,3 +195,42 @@ def test_lightning_runs_the_probes_as_calibration_calls() -> None:
     # the exact passes of steps 0-2; step 1 probes every kind, step 2 the oldest again
     assert model.calls.count(True) == 3 + classes + cb.policy.probe_refresh
     assert "acgc_calibrating" not in model.__dict__
+
+
+def test_a_layer_budget_is_shared_by_every_tensor_that_reaches_it() -> None:
+    """Probed factors put several tensors on one op's gradient (attention's Q, K, V and
+    probabilities on its in-projection): together, not each, they stay within the op's
+    budget (each held alone, the quick transformer's attention measured 2.95x it), and a
+    tensor that reaches it faintly leaves its part to the others."""
+    v = [1.0 / (2**b - 1) ** 2 for b in LADDER]
+    layer_sq, e_sq, share = {"attn": 1.0}, 0.01, 0.5
+    budget = share * e_sq * layer_sq["attn"]
+
+    def widths(factors: dict[str, float]) -> dict[str, int]:
+        sens = {k: (1000, {"attn": c}, 0.0) for k, c in factors.items()}
+        variances = {k: v for k in factors}
+        args = (layer_sq, 1e9, e_sq, lambda k: 1.0, lambda m: 1.0, share, {}, 0.0)
+        return quant_widths(sens, variances, *args)
+
+    def used(factors: dict[str, float], bits: dict[str, int]) -> float:
+        return sum(c * v[LADDER.index(bits[k])] for k, c in factors.items())
+
+    alone = widths({"q": 1.0})
+    assert used({"q": 1.0}, alone) <= budget
+    four = {"q": 1.0, "k": 1.0, "v": 1.0, "p": 1.0}
+    together = widths(four)
+    assert used(four, together) <= budget < 4 * used({"q": 1.0}, alone)
+    assert all(together[k] > alone["q"] for k in four)
+    faint = widths({"q": 1.0, "p": 1e-9})
+    assert faint == {"q": alone["q"], "p": LADDER[0]}
+
+
+def test_a_module_without_a_weight_op_is_held_to_its_own_budget() -> None:
+    """MultiheadAttention's in-projection is a parameter of the attention module itself,
+    not a weight op's: a probe finds Q, K, V reaching it, and its budget enters the
+    allocation (it was measured per layer but never allocated for: 33x over)."""
+    model = nn.Sequential(nn.MultiheadAttention(8, 2, batch_first=True))
+    policy = ACGCPolicy()
+    policy.setup(model)
+    assert "0" not in policy._own_ops and "0.out_proj" in policy._own_ops
+    assert set(policy._weight_ops({"0": 2.0, "0.out_proj": 1.0})) == {"0", "0.out_proj"}

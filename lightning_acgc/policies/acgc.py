@@ -313,8 +313,8 @@ class ACGCPolicy(
         self._log()
 
     def _weight_ops(self, module_sq: dict[str, float]) -> dict[str, float]:
-        """‖g_W‖² per weight op (its weight and bias) from the per-module table."""
-        return {m: module_sq.get(m, 0.0) for m in self._own_ops}
+        """‖g_m‖² per module held to its own budget: weight ops, affine norms, any other."""
+        return {**module_sq, **{m: module_sq.get(m, 0.0) for m in self._own_ops}}
 
     @property
     def _own_ops(self) -> list[str]:
