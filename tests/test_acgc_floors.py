@@ -180,3 +180,28 @@ def test_the_budget_holds_for_the_smallest_recent_gradient() -> None:
     small = modelled([0.3])
     assert modelled([1.0, 0.3, 1.7]) == small < modelled([1.0])
     assert modelled([1.0, 0.3, 1.7], noise_ratio=0.5) == modelled([1.0], noise_ratio=0.5)
+
+
+def test_kappa_below_one_does_not_loosen_a_layers_own_budget() -> None:
+    """κ < 1 (the whole model reads high, mostly its heuristic factors) loosens the
+    global budget, not the budget of a weight op's own input, which is modelled closely:
+    loosened, a CNN's layers measured up to 1.86x their budget. κ > 1 tightens both."""
+
+    def widths(kappa: float) -> dict[str, int]:
+        policy = ACGCPolicy(gradient_error=0.1)
+        policy._sens = {
+            "fc:0": deque([(1000, {"fc": 1.0}, 0.0)]),
+            "act:0": deque([(1000, {}, 1.0)]),
+        }
+        policy._variances = {k: _variances(1.0) for k in policy._sens}
+        policy.kappa = kappa
+        policy._readings.append(kappa)
+        policy._grad_sq.append(1.0)
+        policy._layer_grad_sq.append({"fc": 0.5})
+        policy._raw_bits = {k: 32 for k in policy._sens}
+        policy._allocate()
+        return policy.site_bits
+
+    nominal, loose, tight = widths(1.0), widths(0.05), widths(16.0)
+    assert loose["fc:0"] == nominal["fc:0"] < tight["fc:0"]
+    assert loose["act:0"] < nominal["act:0"] < tight["act:0"]

@@ -385,10 +385,10 @@ class ACGCPolicy(
         floor = self.layer_floor * g_sq
         layer_sq = {m: v if v > floor else 0.0 for m, v in layer_sq.items()}
         # a layer's own budget is e_m²·‖g_m‖² (e_m = e without a noise budget): the
-        # allocation reads it as e²·(‖g_m‖²·(e_m/e)²)
+        # allocation reads it as e²·(‖g_m‖²·(e_m/e)²), κ's loosening taken out
         self._layer_errors = self.layer_errors(layer_sq)
-        e = self.error_target
-        layer_sq = {m: v * (self._layer_errors[m] / e) ** 2 for m, v in layer_sq.items()}
+        scale = self.layer_kappa / self.error_target**2
+        layer_sq = {m: v * self._layer_errors[m] ** 2 * scale for m, v in layer_sq.items()}
         sens = self.probed_all(average(self._sens))
         args = (layer_sq, g_sq, e_sq, self.lam, self._own_scale, self.layer_share)
         if self.codec == "bounded":
