@@ -19,8 +19,8 @@ error stays within E = target · e² · ‖g‖² / κ:
 * ``codec="bounded"``: COMET-style |x − x̂| ≤ eb (variance ≤ eb²/3), each tensor's share
   of E in proportion to its size (the previous default; its calibration is unchanged).
 
-The error is held per layer too (:mod:`~lightning_acgc.policies.acgc_corrections`; with
-``quant``, floors on the tensors around a layer over budget, :mod:`~.acgc_floors`, and
+The error is held per layer too, κ < 1 not loosening those budgets (:mod:`~.acgc_corrections`;
+``quant``: floors on the tensors around a layer over budget, :mod:`~.acgc_floors`, and
 factors the model guesses measured by probes, off by default, :mod:`~.acgc_probes`).
 
 Verify, don't trust: with ``verify=True`` the exact gradient is computed on calibration
