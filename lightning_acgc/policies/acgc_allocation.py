@@ -65,7 +65,8 @@ def average(history: dict[str, Iterable[Sensitivity]]) -> dict[str, Sensitivity]
 def _layer_budgets(
     layer_sq: dict[str, float], e_sq: float, own_scale: Callable[[str], float], share: float
 ) -> dict[str, float]:
-    """Per weight op with a gradient to compare with: the error its saved inputs may add."""
+    """Per module with a gradient to compare with: the error the saved tensors that reach
+    it may add (``share`` of its e²‖g_m‖², over its correction μ_m)."""
     return {m: share * e_sq * v / own_scale(m) for m, v in layer_sq.items() if v > 0}
 
 
@@ -104,7 +105,8 @@ def _shared_budgets(
                 key, _, need = free[i]
                 out[key][m] = need
                 left -= need
-            free = [t for i, t in enumerate(free) if i not in set(low)]
+            taken = set(low)
+            free = [t for i, t in enumerate(free) if i not in taken]
         for key, n, _ in free:
             out[key][m] = left * n / total
     return out
@@ -167,14 +169,15 @@ def quant_widths(
     """Widths of the ``quant`` codec (``KEEP``: not compressed) for the tensors with a
     measured variance table (``variances[t][i]``: per-element variance at ``LADDER[i]``).
 
-    Each tensor starts at the smallest width that meets its weight ops' own budgets (or
-    ``KEEP`` if 8 bits do not); then greedy upgrades, best error reduction per added bit
-    first, bring Σ_t (w_t + λ_t·o_t)·v_t(b_t) within ``E · ‖g‖²`` (``lam(t)``: λ of
-    tensor t's scope). A tensor no gradient
-    depends on (sensitivity 0: its module's output gradient was exactly zero) is neither
-    measured by the model nor by the gradient error, so it is kept at a safe 8 bits rather
-    than trusted to a model that has no reading for it. ``floors``: smallest width per
-    tensor from measured per-layer errors (:mod:`lightning_acgc.policies.acgc_floors`).
+    Each tensor starts at the smallest width that meets its part of the own budget of
+    each module it reaches (:func:`_shared_budgets`; ``KEEP`` if 8 bits do not); then
+    greedy upgrades, best error reduction per added bit first, bring
+    Σ_t (w_t + λ_t·o_t)·v_t(b_t) within ``E · ‖g‖²`` (``lam(t)``: λ of tensor t's
+    scope). A tensor no gradient depends on (sensitivity 0: its module's output gradient
+    was exactly zero) is neither measured by the model nor by the gradient error, so it
+    is kept at a safe 8 bits rather than trusted to a model that has no reading for it.
+    ``floors``: smallest width per tensor from measured per-layer errors
+    (:mod:`lightning_acgc.policies.acgc_floors`).
     """
     keys = sorted(k for k in sens if k in variances)
     sizes, errors, mins, raws = [], [], [], []
