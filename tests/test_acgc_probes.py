@@ -21,7 +21,8 @@ from tests._lightning_models import fit
 
 
 def test_probes_are_off_by_default() -> None:
-    """No probe runs unless ``max_probes`` is set (README: they broke the promise once)."""
+    """No probe runs unless ``max_probes`` is set (README: with the per-layer budgets held
+    they gain BERT-base little)."""
     policy = _two_blocks()
     policy._calibrating, policy._exact = True, {}
     assert policy.max_probes == 0 and policy.probe_classes(1) == []
@@ -233,4 +234,4 @@ def test_a_module_without_a_weight_op_is_held_to_its_own_budget() -> None:
     policy = ACGCPolicy()
     policy.setup(model)
     assert "0" not in policy._own_ops and "0.out_proj" in policy._own_ops
-    assert set(policy._weight_ops({"0": 2.0, "0.out_proj": 1.0})) == {"0", "0.out_proj"}
+    assert set(policy._held_modules({"0": 2.0, "0.out_proj": 1.0})) == {"0", "0.out_proj"}

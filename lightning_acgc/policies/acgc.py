@@ -272,7 +272,7 @@ class ACGCPolicy(
         if self._calibrating:
             grad_sq = self.stats.stop()
             module_sq = per_module_sq(self._exact)
-            layer = self._weight_ops(module_sq)
+            layer = self._held_modules(module_sq)
             grad_sq, layer, g_sq = reduce_tables(
                 reduce, grad_sq, layer, {"": sum(module_sq.values())}
             )
@@ -308,13 +308,13 @@ class ACGCPolicy(
             self._measure_layers(module_g, module_err, g_sq, change)
         elif self._exact is None and g_sq > 0:
             # cheap mode: settings for the next steps (module_g is the compressed gradient's)
-            self._calibrate(grad_sq, g_sq, self._weight_ops(module_g))
+            self._calibrate(grad_sq, g_sq, self._held_modules(module_g))
         self._calib_s += self._lap()
         self._log()
 
-    def _weight_ops(self, module_sq: dict[str, float]) -> dict[str, float]:
-        """‖g_m‖² per module held to its own budget: weight ops, affine norms, any other."""
-        return {**module_sq, **{m: module_sq.get(m, 0.0) for m in self._own_ops}}
+    def _held_modules(self, module_sq: dict[str, float]) -> dict[str, float]:
+        """‖g_m‖² per module held to its own budget: every one with a gradient, 0 for own ops."""
+        return {**dict.fromkeys(self._own_ops, 0.0), **module_sq}
 
     @property
     def _own_ops(self) -> list[str]:

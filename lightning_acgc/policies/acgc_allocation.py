@@ -73,9 +73,9 @@ def _layer_budgets(
 def _shared_budgets(
     entries: dict[str, tuple[int, dict[str, float], float]], budgets: dict[str, float]
 ) -> dict[str, dict[str, float]]:
-    """Per tensor and weight op: the part of the op's budget (``budgets``) the tensor may
-    use. ``entries``: per tensor, its elements n, its factors c_m per op and its variance
-    v at the narrowest width. Several tensors reach one op's gradient where
+    """Per tensor and module: the part of the module's budget (``budgets``) the tensor may
+    use. ``entries``: per tensor, its elements n, its factors c_m per module and its
+    variance v at the narrowest width. Several tensors reach one module's gradient where
     probes measured them (attention's Q, K, V and probabilities all reach its projection):
     each held alone to the whole budget, the quick transformer's attention measured 2.95x
     it. Split by elements (the split of least bits where the variance falls 4x a bit),
