@@ -23,6 +23,8 @@ __all__ = [
 
 MB = 2**20
 RATIO_BAR = 20.0  # activation ratio on the ResNet recipe
+FIXED_TIME_BAR = 1.20  # fixed 2-bit's step time relative to plain, CPU (issue 14)
+FIXED_BAR_CONFIG = "quant2"
 ACCURACY_BAR_PP = 0.1  # accuracy within 0.1 pp of plain, or within plain's seed spread
 PEAK_GAP = 0.15  # measured step peak within 15% of what the activation ratio predicts
 MODEL_NAMES = {"resnet": "ResNet", "bert": "BERT", "gnn": "GNN"}
@@ -55,13 +57,15 @@ def _fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
 def memory_time_table(memory: dict[str, Any] | None, speed: dict[str, Any] | None) -> list[str]:
     if memory is None and speed is None:
         return ["(memory and speed: not run)"]
-    source = memory or speed
+    described = dict((memory or {}).get("models", {}))  # memory's cases, then speed's own
+    for model, info in (speed or {}).get("models", {}).items():
+        described.setdefault(model, info)
     out = [
         "| model | configuration | activations saved → kept (MB) | ratio | step peak, measured "
         "(predicted) MB | step time vs plain | gradient error |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for model, info in source["models"].items():
+    for model, info in described.items():
         mem = (memory or {}).get("models", {}).get(model, {}).get("configs", {})
         spd = (speed or {}).get("models", {}).get(model, {}).get("configs", {})
         first = True
@@ -258,6 +262,21 @@ def bars(results: dict[str, dict[str, Any]]) -> tuple[list[str], list[str]]:
                     t <= TIME_BAR,
                     f"step time of {_name(model)} with {BAR_POLICY}: "
                     f"{t:.2f}x plain (bar ≤ {TIME_BAR:g}x on CPU)",
+                )
+            fixed = c.get(FIXED_BAR_CONFIG, {}).get("vs_plain")
+            if on_cpu and fixed is not None:
+                verdict(
+                    fixed <= FIXED_TIME_BAR,
+                    f"step time of {_name(model)} with fixed 2-bit: "
+                    f"{fixed:.2f}x plain (bar ≤ {FIXED_TIME_BAR:g}x on CPU)",
+                )
+            if "checkpoint" in c and not (memory and model in memory["models"]):
+                ck_time = c["checkpoint"]["vs_plain"]
+                verdict(
+                    t < ck_time and (fixed is None or fixed < ck_time),
+                    f"{_name(model)}, step time against checkpointing's {ck_time:.2f}x: "
+                    f"{BAR_POLICY} {t:.2f}x, fixed 2-bit {_fmt(fixed, '.2f', 'x')} "
+                    f"(bar: both faster)",
                 )
             if "checkpoint" in c and BAR_POLICY in c and memory and model in memory["models"]:
                 mem = memory["models"][model]["configs"]

@@ -11,7 +11,7 @@ affects all alike; ``vs_plain`` is the median over rounds of the step time divid
 the plain step time of the same round. ``amortized_vs_plain`` adds one calibration
 step per ``calibrate_every`` (100) steps.
 
-    python -m benchmarks.speed [--quick] [--rounds 5] [--models resnet50_imagenet bert_base]
+    python -m benchmarks.speed [--quick] [--rounds 5] [--models resnet18 bert_base]
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import statistics
 import sys
 from typing import Any
 
+from benchmarks._cases import SPEED_CASES
 from benchmarks._harness import (
     CALIBRATION_STEPS,
     CASES,
     CONFIGS,
-    DEFAULT_CASES,
     MEASURED_STEP,
     POLICIES,
     Runner,
@@ -106,7 +106,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_common_arguments(parser)
-    parser.add_argument("--models", nargs="+", help="cases of _cases.CASES; default: one a family")
+    parser.add_argument(
+        "--models", nargs="+", help="cases of _cases.CASES; default: _cases.SPEED_CASES"
+    )
     parser.add_argument(
         "--configs",
         nargs="+",
@@ -123,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.rounds = 7 if args.quick else 5
     if "plain" not in args.configs:
         args.configs = ["plain", *args.configs]
-    args.models = args.models or list(DEFAULT_CASES[mode])
+    args.models = args.models or list(SPEED_CASES[mode])
     unknown = sorted(set(args.models) - set(CASES[mode]))
     if unknown:
         parser.error(f"--models {unknown}: {mode} mode has {sorted(CASES[mode])}")
