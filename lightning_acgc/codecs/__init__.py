@@ -3,6 +3,7 @@
 from lightning_acgc.codecs import (  # noqa: F401  (registration)
     bounded,
     division,
+    half,
     identity,
     intpack,
     mask,

@@ -9,7 +9,7 @@ codec setting (:mod:`lightning_acgc.policies.acgc_allocation`) so that the model
 error stays within E = target · e² · ‖g‖² / κ:
 
 * ``codec="quant"`` (default): unbiased stochastic rounding with a width per tensor from
-  1 to 8 bits (or kept as it is). Its error per element at each width,
+  1 to 8 bits, 16 (float16: the ``half`` codec) or kept. Its error per element at each width,
   v_t(b), is measured exactly on calibration steps
   (:func:`~lightning_acgc.policies.quant_error.sr_variance`); each tensor starts at the
   smallest width its weight ops' own budgets allow, then greedy upgrades (best error
@@ -79,7 +79,7 @@ from lightning_acgc.policies.acgc_noise import NoiseBudget
 from lightning_acgc.policies.acgc_probes import SensitivityProbes
 from lightning_acgc.policies.acgc_state import ACGCState
 from lightning_acgc.policies.base import Reduce
-from lightning_acgc.policies.bit_allocation import KEEP, LADDER
+from lightning_acgc.policies.bit_allocation import HALF, KEEP, LADDER
 from lightning_acgc.policies.calibrating import CalibratingPolicy
 from lightning_acgc.policies.quant_error import sr_variance
 
@@ -244,8 +244,8 @@ class ACGCPolicy(
         if self.codec == "bounded":
             return self._bounded_for(site.key, self.bounds, self.initial_relative_bound)
         bits = self.site_bits.get(site.key, self.initial_width)
-        if bits == KEEP:
-            return None
+        if bits in (KEEP, HALF):
+            return None if bits == KEEP else self._codec("half")
         return self._codec(
             "quant", QuantWidthConfig, bits=bits, group_size=self.group_size, **self._meta
         )

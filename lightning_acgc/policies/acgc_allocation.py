@@ -170,7 +170,7 @@ def quant_widths(
     measured variance table (``variances[t][i]``: per-element variance at ``LADDER[i]``).
 
     Each tensor starts at the smallest width that meets its part of the own budget of
-    each module it reaches (:func:`_shared_budgets`; ``KEEP`` if 8 bits do not); then
+    each module it reaches (:func:`_shared_budgets`; ``KEEP`` if float16 does not); then
     greedy upgrades, best error reduction per added bit first, bring
     Σ_t (w_t + λ_t·o_t)·v_t(b_t) within ``E · ‖g‖²`` (``lam(t)``: λ of tensor t's
     scope). A tensor no gradient depends on (sensitivity 0: its module's output gradient

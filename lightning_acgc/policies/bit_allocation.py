@@ -5,10 +5,21 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-__all__ = ["KEEP", "LADDER", "POW2", "allocate_bits", "allocate_to_error", "widths_up"]
+__all__ = [
+    "HALF",
+    "KEEP",
+    "LADDER",
+    "POW2",
+    "QUANT_WIDTHS",
+    "allocate_bits",
+    "allocate_to_error",
+    "widths_up",
+]
 
 POW2 = (1, 2, 4, 8)  # the widths users set (and GACT allocates)
-LADDER = tuple(range(1, 9))  # the widths acgc allocates (``quant`` stores any of them)
+QUANT_WIDTHS = tuple(range(1, 9))  # the widths ``quant`` stores
+HALF = 16  # the ``half`` codec (float16, no metadata): the step between 8 bits and keeping
+LADDER = (*QUANT_WIDTHS, HALF)  # the widths acgc allocates, from the least to the most bits
 
 
 def _error(weight: float, bits: int) -> float:
@@ -77,7 +88,7 @@ def allocate_to_error(
     raw_bits: Sequence[int],
     overhead: float = 0.0,
 ) -> list[int]:
-    """Widths from ``LADDER`` (1 to 8 bits) or ``KEEP`` that bring the total error
+    """Widths from ``LADDER`` (1 to 8 bits, ``HALF``) or ``KEEP`` that bring the total error
     Σ errors[t][b_t] within ``budget`` for few bits Σ n_t·b_t: start every tensor at its
     ``min_widths`` entry, then take, while over budget, the upgrade with the largest error
     reduction per added bit (a tensor kept as it is costs ``raw_bits`` per element, no error);
@@ -90,7 +101,8 @@ def allocate_to_error(
         budget: the total error allowed.
         min_widths: the smallest width each tensor may take (its own, per-layer limit).
         raw_bits: bits per element of each tensor kept as it is (32 for float32).
-        overhead: bits per element a quantized tensor adds for its metadata.
+        overhead: bits per element a quantized tensor adds for its metadata (``HALF``
+            has none).
 
     Example:
         >>> errs = [{b: c / (2**b - 1) ** 2 for b in LADDER} for c in (9.0, 0.9)]
@@ -102,7 +114,7 @@ def allocate_to_error(
         return 0.0 if b == KEEP else errors[i][b]
 
     def cost(i: int, b: int) -> float:
-        return raw_bits[i] if b == KEEP else b + overhead
+        return raw_bits[i] if b == KEEP else b if b == HALF else b + overhead
 
     widths = list(min_widths)
     total = sum(err(i, b) for i, b in enumerate(widths))

@@ -11,15 +11,19 @@ A tensor with such groups is infinitely wrong at 1 bit (its ReLU mask is not kep
 
 :func:`sr_variance` returns the mean per-element variance at each width of
 :data:`~lightning_acgc.policies.bit_allocation.LADDER`, measured on (a regular sample of)
-the tensor's groups; the AC-GC policy multiplies it by each tensor's sensitivity.
+the tensor's groups; the AC-GC policy multiplies it by each tensor's sensitivity. Its
+last width, ``HALF``, is the ``half`` codec's rounding to the nearest float16: an error
+uniform within half an ulp, variance ulp²/12 (an upper bound: values float16 holds
+exactly, zeros among them, have none).
 """
 
 from __future__ import annotations
 
 import torch
 
+from lightning_acgc.codecs.half import half_error_bound
 from lightning_acgc.kernels.quant import group_view
-from lightning_acgc.policies.bit_allocation import LADDER
+from lightning_acgc.policies.bit_allocation import HALF, LADDER, QUANT_WIDTHS
 
 __all__ = ["sr_variance"]
 
@@ -37,6 +41,8 @@ def sr_variance(x: torch.Tensor, group_size: int, max_groups: int = 2048) -> tor
         True
         >>> abs(float(v[1]) / (1 / 9 / 6) - 1) < 0.1  # uniform data: R²/(6·3²) at 2 bits
         True
+        >>> float(v[7] / v[-1]) > 100  # float16 (HALF) against 8 bits
+        True
     """
     xg = group_view(x.detach(), group_size)
     if xg.shape[0] > max_groups:
@@ -48,7 +54,7 @@ def sr_variance(x: torch.Tensor, group_size: int, max_groups: int = 2048) -> tor
     min_pos = torch.where(xg > 0, xg, torch.inf).amin(dim=1)
     is_zero = xg == 0
     out = []
-    for bits in LADDER:
+    for bits in QUANT_WIDTHS:
         levels = float(2**bits - 1)
         kept = zero_kept if bits > 1 else torch.zeros_like(zero_kept)
         base = torch.where(kept, min_pos, lo)
@@ -65,4 +71,7 @@ def sr_variance(x: torch.Tensor, group_size: int, max_groups: int = 2048) -> tor
             out.append(torch.tensor(torch.inf, dtype=torch.float64, device=x.device))
             continue
         out.append(var.double().mean())
+    if HALF in LADDER:
+        ulp_sq = (2 * half_error_bound(xg)).double().square()
+        out.append(torch.where(xg != 0, ulp_sq / 12, torch.zeros_like(ulp_sq)).mean())
     return torch.stack(out)
