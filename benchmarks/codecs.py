@@ -43,6 +43,7 @@ SETTINGS: dict[str, tuple[str, Any]] = {  # codec, its options (or config)
     # widths only policies choose (acgc): a bit stream of 8 codes in 3 (6) bytes
     "quant3": ("quant", QuantWidthConfig(bits=3)),
     "quant6": ("quant", QuantWidthConfig(bits=6)),
+    "half": ("half", {}),  # float16: what acgc gives a tensor 8 bits cannot serve
     "bounded_rel1e-2": ("bounded", {"error_bound": 1e-2, "relative": True}),
     "division": ("division", {}),
     "mask": ("mask", {}),
