@@ -58,11 +58,21 @@ def test_half_halves_float32() -> None:
     assert packed.nbytes == 64 * 32 * 2
 
 
-@pytest.mark.parametrize("big", [HALF_MAX * 1.001, 1e30, -7e4])
-def test_half_declines_a_finite_value_beyond_float16(big: float) -> None:
+@pytest.mark.parametrize("big", [65520.0, HALF_MAX * 1.001, 1e30, -7e4])
+@pytest.mark.parametrize("special", [None, float("nan"), float("inf")])
+def test_half_declines_a_finite_value_beyond_float16(big: float, special: float | None) -> None:
+    """65520 and above round to inf; a NaN or inf elsewhere must not hide them."""
     x = torch.randn(100)
     x[17] = big
+    if special is not None:
+        x[3] = special
     assert build_codec("half").encode(x, seed=0) is None
+
+
+def test_half_keeps_the_largest_values_that_round_to_a_finite_float16() -> None:
+    x = torch.tensor([65519.0, -65519.0, 1.0])
+    codec = build_codec("half")
+    assert codec.decode(codec.encode(x, seed=0)).tolist() == [HALF_MAX, -HALF_MAX, 1.0]
 
 
 def test_half_at_float16s_largest_value_and_with_infinities() -> None:

@@ -24,6 +24,7 @@ __all__ = ["HALF_MAX", "HalfCodec", "HalfConfig", "half_error_bound"]
 
 HALF_MAX = 65504.0  # the largest finite float16
 _HALF_TINY = 2.0**-14  # the smallest normal float16
+_HALF_OVERFLOW = 65520.0  # float32 values of this magnitude and above round to inf
 _HALF_MANTISSA = 10  # explicit significand bits of float16
 
 
@@ -72,9 +73,11 @@ class HalfCodec:
         if x.numel() == 0:
             return raw_packed(x)
         half = x.to(torch.float16)
-        overflow = torch.isinf(half)
-        if bool(overflow.any()) and not torch.equal(overflow, torch.isinf(x)):
-            return None  # a finite value beyond 65504 would become inf
+        lo, hi = torch.aminmax(x)  # one pass; NaN or ±inf in x: checked element by element
+        if not max(-float(lo), float(hi)) < _HALF_OVERFLOW:
+            overflow = torch.isinf(half)
+            if bool(overflow.any()) and not torch.equal(overflow, torch.isinf(x)):
+                return None  # a finite value beyond 65504 would become inf
         return Packed(self.name, x.shape, x.dtype, {"half": half})
 
     def decode(self, packed: Packed) -> torch.Tensor:
