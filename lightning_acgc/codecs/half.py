@@ -5,7 +5,7 @@ error of at most half a float16 ulp (relative 2**-11 for normal values, at most 
 absolute below float16's normal range): on a Gaussian tensor 1/1900 of the error
 variance of 8-bit ``quant`` (groups of 256), on its ReLU 1/480. A tensor it would
 change beyond that bound is declined and kept as it is: one holding a finite value
-beyond float16's range (|x| > 65504, which would round to inf). NaN and ±inf survive
+that rounds beyond float16's largest, 65504 (|x| ≥ 65520 rounds to inf). NaN and ±inf survive
 the round trip; so does the sign of zero. Other dtypes (float16, bfloat16, float64,
 integer) are declined.
 """
@@ -77,7 +77,7 @@ class HalfCodec:
         if not max(-float(lo), float(hi)) < _HALF_OVERFLOW:
             overflow = torch.isinf(half)
             if bool(overflow.any()) and not torch.equal(overflow, torch.isinf(x)):
-                return None  # a finite value beyond 65504 would become inf
+                return None  # a finite value would become inf
         return Packed(self.name, x.shape, x.dtype, {"half": half})
 
     def decode(self, packed: Packed) -> torch.Tensor:
