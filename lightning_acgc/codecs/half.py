@@ -72,9 +72,9 @@ class HalfCodec:
             return None
         if x.numel() == 0:
             return raw_packed(x)
-        half = x.to(torch.float16)
         lo, hi = torch.aminmax(x)  # one pass; NaN or ±inf in x: checked element by element
-        if not max(-float(lo), float(hi)) < _HALF_OVERFLOW:
+        half = x.to(torch.float16)
+        if not float(torch.maximum(-lo, hi)) < _HALF_OVERFLOW:
             overflow = torch.isinf(half)
             if bool(overflow.any()) and not torch.equal(overflow, torch.isinf(x)):
                 return None  # a finite value would become inf

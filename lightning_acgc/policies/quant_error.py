@@ -23,7 +23,7 @@ import torch
 
 from lightning_acgc.codecs.half import half_error_bound
 from lightning_acgc.kernels.quant import group_view
-from lightning_acgc.policies.bit_allocation import HALF, LADDER, QUANT_WIDTHS
+from lightning_acgc.policies.bit_allocation import QUANT_WIDTHS
 
 __all__ = ["sr_variance"]
 
@@ -71,7 +71,6 @@ def sr_variance(x: torch.Tensor, group_size: int, max_groups: int = 2048) -> tor
             out.append(torch.tensor(torch.inf, dtype=torch.float64, device=x.device))
             continue
         out.append(var.double().mean())
-    if HALF in LADDER:
-        ulp_sq = (2 * half_error_bound(xg)).double().square()
-        out.append(torch.where(xg != 0, ulp_sq / 12, torch.zeros_like(ulp_sq)).mean())
+    ulp_sq = (2 * half_error_bound(xg)).double().square()  # HALF, LADDER's last width
+    out.append(torch.where(xg != 0, ulp_sq / 12, torch.zeros_like(ulp_sq)).mean())
     return torch.stack(out)
