@@ -226,3 +226,45 @@ def test_acgc_holds_each_layers_error_not_only_the_global_one(codec: str, settle
     later = [h for i, h in calibrations.items() if i >= settled]
     assert len(later) == (20 - settled) // 2
     assert all(h["layer_grad_error"] <= e and h["grad_error"] <= e for h in later), later
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [
+        ("fixed", {"codec": "quant", "bits": 2}),
+        ("fixed", {"codec": "bounded", "error_bound": 0.1}),
+        ("gact", {"bits": 2}),
+        ("division", {}),
+        ("comet", {}),
+        ("acgc", {"gradient_error": 0.3}),
+    ],
+)
+def test_every_policy_keeps_normalization_statistics(name: str, options: dict) -> None:
+    """BatchNorm's per-channel mean and 1/σ of 64 channels are large enough to be packed
+    with other small tensors (``coalesce_min_numel``); at 2 bits they made the ResNet
+    recipe's fixed 2-bit fit overflow to NaN (policies.fixed). Every policy keeps them,
+    and LayerNorm's per-row ones, as they are."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+        nn.Flatten(2), nn.Linear(64, 32), nn.LayerNorm(32), nn.Flatten(), nn.Linear(64 * 32, 4),
+    )  # fmt: skip
+    policy = build_policy(name, **options)
+    engine = ActivationCompressor(policy, model=model, settings=EngineSettings())
+    engine.install()
+    policy.setup(model)
+    x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 4, (8,))
+    try:
+        for step in range(2):
+            compressed_step(engine, model, lambda: nn.functional.cross_entropy(model(x), y), step)
+    finally:
+        engine.remove()
+        policy.teardown()
+    sites = engine.stats.sites
+    bn_stats = [k for k, r in sites.items() if k.startswith("1:") and tuple(r.shape) == (64,)]
+    ln_stats = [k for k, r in sites.items() if k.startswith("5:") and r.shape[-1] == 1]
+    assert len(bn_stats) == 2 and len(ln_stats) == 2, {k: r.shape for k, r in sites.items()}
+    assert all(sites[k].codec == "kept" for k in bn_stats + ln_stats), {
+        k: (sites[k].codec, sites[k].settings) for k in bn_stats + ln_stats
+    }
+    assert sites["1:0"].codec != "kept"  # the BatchNorm input itself is compressed
