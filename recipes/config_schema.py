@@ -66,6 +66,7 @@ class ACGCCompressionSchema(CompressionSchema):
     calibrate_every: int = MISSING
     gradient_error: float | None = MISSING
     noise_ratio: float | None = MISSING
+    noise_floor: float | None = MISSING
     verify: bool = MISSING
 
 

@@ -102,3 +102,45 @@ def test_an_old_checkpoints_noise_total_still_loads() -> None:
     fresh.load_state_dict({**state, "noise_sq": totals})
     fresh._update_target(sum(fresh._grad_sq) / len(fresh._grad_sq))
     assert fresh.error_target == pytest.approx(policy.error_target, rel=1e-6)
+
+
+def test_noise_floor_loosens_only_the_noisy_layer() -> None:
+    """With ``noise_floor`` ρ₀ each layer's bound is the looser of e and its noise budget:
+    a (at its optimum: its gradient is sampling noise) gets ρ₀·noise/‖g_a‖ ≫ e, b (mostly
+    signal, noise budget below e) keeps e. The global target is the looser one too, and
+    every calibration's measured error stays within it."""
+    e, rho = 0.05, 0.2
+    _, policy, history = _fit({"gradient_error": e, "noise_floor": rho})
+    errors = policy._layer_errors
+    assert errors["b"] == e, errors
+    assert errors["a"] > 4 * e, errors
+    noise_a = sum(r["a"] for r in policy._layer_noise_sq) / len(policy._layer_noise_sq)
+    for g_sq in (noise_a, noise_a / 1e6, noise_a * 1e6):  # the floor, capped, or e
+        expected = max(e, min(rho * math.sqrt(noise_a / 4 / g_sq), policy.max_error))
+        assert policy.layer_errors({"a": g_sq})["a"] == pytest.approx(expected)
+    assert policy.error_target >= e
+    assert all(h["grad_error"] <= h["error_target"] for h in history)
+    plain = _fit({"gradient_error": e})[1]
+    assert policy.site_bits["a:0"] < plain.site_bits["a:0"], (policy.site_bits, plain.site_bits)
+
+
+def test_noise_floor_without_halves_keeps_gradient_error() -> None:
+    _, policy, _ = _fit({"gradient_error": 0.05, "noise_floor": 0.2}, steps=3, halves=False)
+    assert policy.error_target == 0.05
+    assert set(policy._layer_errors.values()) == {0.05}
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"noise_floor": 0}, "noise_floor=0 must be a number > 0 or None"),
+        ({"noise_floor": True}, "noise_floor=True must be a number > 0 or None"),
+        (
+            {"noise_floor": 0.2, "noise_ratio": 0.5},
+            "noise_floor=0.2 does not combine with noise_ratio=0.5: give one of them",
+        ),
+    ],
+)
+def test_noise_floor_rejects(options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build_policy("acgc", **options)

@@ -75,7 +75,7 @@ from lightning_acgc.policies.acgc_allocation import (
 )
 from lightning_acgc.policies.acgc_corrections import ModelCorrections
 from lightning_acgc.policies.acgc_floors import ScopeFloors
-from lightning_acgc.policies.acgc_noise import NoiseBudget
+from lightning_acgc.policies.acgc_noise import NoiseBudget, check_budget_options
 from lightning_acgc.policies.acgc_probes import SensitivityProbes
 from lightning_acgc.policies.acgc_state import ACGCState
 from lightning_acgc.policies.base import Reduce
@@ -109,6 +109,8 @@ class ACGCPolicy(
             held to e only through the global error (default: ``layer_floor``, 1e-12).
         noise_ratio: ρ > 0: compression adds at most ρ² of the batch gradient's sampling
             variance (needs the adapter to pass the batch halves' gradients).
+        noise_floor: ρ₀ > 0: with ``gradient_error``, also allow any error within ρ₀² of the
+            sampling variance (:mod:`~lightning_acgc.policies.acgc_noise`).
         config: the codec and its backend: ``quant`` (default; per-tensor bit widths,
             stochastic rounding) or ``bounded`` (error bounds), given as ``codec=`` when
             built by name (``build_policy("acgc", codec="bounded")``).
@@ -134,6 +136,7 @@ class ACGCPolicy(
         "target",
         "noise_ratio",
         "layer_floor",
+        "noise_floor",
     )
     initial_width = 8  # quant: width before the first calibration and for unseen sites
     # quant: the first allocation aims at this share of the budget (κ unmeasured: on
@@ -153,20 +156,12 @@ class ACGCPolicy(
         target: float | None = None,
         noise_ratio: float | None = None,
         layer_floor: float | None = None,
+        noise_floor: float | None = None,
         config: CodecSpec | None = None,
     ) -> None:
         if gradient_error is None and noise_ratio is None:
             gradient_error = 0.05
-        if gradient_error is not None and (
-            isinstance(gradient_error, bool)
-            or not (isinstance(gradient_error, (int, float)) and 0 < gradient_error < 1)
-        ):
-            raise ValueError(f"gradient_error={gradient_error!r} must be a number in (0, 1)")
-        if noise_ratio is not None and (
-            isinstance(noise_ratio, bool)
-            or not (isinstance(noise_ratio, (int, float)) and noise_ratio > 0)
-        ):
-            raise ValueError(f"noise_ratio={noise_ratio!r} must be a number > 0 or None")
+        check_budget_options(gradient_error, noise_ratio, noise_floor)
         codec = config.codec if config is not None else CODECS[0]
         if codec not in CODECS:
             raise ValueError(f"codec={codec!r} is not supported by acgc; allowed: {CODECS}")
@@ -180,6 +175,7 @@ class ACGCPolicy(
             raise ValueError(f"target={target!r} must be in (0, 1]")
         self.gradient_error = None if gradient_error is None else float(gradient_error)
         self.noise_ratio = None if noise_ratio is None else float(noise_ratio)
+        self.noise_floor = None if noise_floor is None else float(noise_floor)
         self.calibrate_every = calibrate_every
         self.verify = verify
         self.warmup_steps = warmup_steps
@@ -278,7 +274,7 @@ class ACGCPolicy(
             )
             if self._structure:
                 self._calibrate(grad_sq, g_sq[""], layer)
-            elif self.noise_ratio is not None:
+            elif self._noise_rho is not None:
                 self._update_target(g_sq[""])
         self._calib_s += self._lap()
 
