@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 
+import pytest
 import torch
 from torch import nn
 
@@ -163,8 +164,9 @@ def test_first_allocation_aims_low_until_kappa_is_measured() -> None:
 def test_the_budget_holds_for_the_smallest_recent_gradient() -> None:
     """The promise is ‖ĝ − g‖ ≤ e‖g‖ for each step's own ‖g‖: settings allocated for the
     last calibrations' mean ‖g‖² broke it on a batch whose gradient was small (a CNN at
-    batch 16: 0.28x the mean ‖g‖², 1.69e). The budget follows the smallest of them; with
-    a noise budget (already relative to the mean ‖g‖²) it stays the mean."""
+    batch 16: 0.28x the mean ‖g‖², 1.69e). A recent small ‖g‖ tightens the budget (by at
+    most ``history``: sensitivities are relative to their own step's ‖g‖², so a fit's
+    shrinking gradient does not); a noise budget (relative to the mean) is unchanged."""
 
     def modelled(grad_sq: list[float], **options: float) -> float:
         policy = _policy()
@@ -177,9 +179,13 @@ def test_the_budget_holds_for_the_smallest_recent_gradient() -> None:
         policy._allocate()
         return sum(policy._sens[k][-1][2] * policy._variance(k) for k in policy._sens)
 
-    small = modelled([0.3])
-    assert modelled([1.0, 0.3, 1.7]) == small < modelled([1.0])
+    one = modelled([1.0])
+    assert modelled([0.3]) == one  # relative: a lone reading is its own scale
+    assert modelled([1.0, 0.3, 1.7]) < one
     assert modelled([1.0, 0.3, 1.7], noise_ratio=0.5) == modelled([1.0], noise_ratio=0.5)
+    policy = _policy()
+    policy._grad_sq.extend([100.0, 10.0, 1.0])  # a fit's shrinking gradient: 0.37, not 0.01
+    assert policy._budget_grad_sq == pytest.approx(1.11 / 3)
 
 
 def test_kappa_below_one_does_not_loosen_a_layers_own_budget() -> None:

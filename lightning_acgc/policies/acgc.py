@@ -336,12 +336,13 @@ class ACGCPolicy(
         sens = error_model.tensor_sensitivities(
             self._structure, grad_sq, self.stats.fan_in, self._inv_var, self._norm_params
         )
+        inv = 1.0 / g_sq if g_sq > 0 else 1.0  # kept relative to this step's ‖g‖² (_allocate)
         for key, s in sens.items():
             self._sens.setdefault(key, deque(maxlen=self.history)).append(
-                (s.numel, dict(s.weight_by_module), s.other)
+                (s.numel, {m: c * inv for m, c in s.weight_by_module.items()}, s.other * inv)
             )
         self._update_target(g_sq)
-        self._layer_grad_sq.append(layer)
+        self._layer_grad_sq.append({m: v * inv for m, v in layer.items()})
         self._step_sens = sens
         self.settle()
 
@@ -372,7 +373,7 @@ class ACGCPolicy(
         e_sq = self.error_target**2 * self.target / self.kappa
         if self.codec == "quant" and self.verify and not self._readings:
             e_sq *= self.first_aim  # κ is a guess until the first measurement
-        g_sq = self._budget_grad_sq
+        g_sq = self._budget_grad_sq  # relative: see there
         layer_sq: dict[str, float] = {}
         for reading in self._layer_grad_sq:
             for m, v in reading.items():
@@ -382,7 +383,8 @@ class ACGCPolicy(
         layer_sq = {m: v if v > floor else 0.0 for m, v in layer_sq.items()}
         # a layer's own budget is e_m²·‖g_m‖² (e_m = e without a noise budget): the
         # allocation reads it as e²·(‖g_m‖²·(e_m/e)²), κ's loosening taken out
-        self._layer_errors = self.layer_errors(layer_sq)
+        mean_g = sum(self._grad_sq) / len(self._grad_sq)  # layer_errors: absolute ‖g_m‖²
+        self._layer_errors = self.layer_errors({m: v * mean_g for m, v in layer_sq.items()})
         scale = self.layer_kappa / self.error_target**2
         layer_sq = {m: v * self._layer_errors[m] ** 2 * scale for m, v in layer_sq.items()}
         sens = self.probed_all(average(self._sens))

@@ -156,8 +156,10 @@ class SensitivityProbes:
             if probed and e > 0 and math.isfinite(e):
                 nearest = _nearest(module, list(probed))
                 var = sum(probed[k] for k in nearest)
+                # sens is relative to its step's ‖g‖² (acgc._calibrate); e is absolute
+                scale = var * (self._grad_sq[-1] if self._grad_sq else 1.0)
                 for k in nearest:
-                    factors[k][module] = e / var / sens[k][2] if var > 0 else 0.0
+                    factors[k][module] = e / scale / sens[k][2] if scale > 0 else 0.0
         for key, f in factors.items():
             self._probe_readings.setdefault(key, deque(maxlen=self.history)).append(f)
         self._metrics["probes"] = self._metrics.get("probes", 0.0) + 1

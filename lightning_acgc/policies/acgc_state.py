@@ -36,6 +36,7 @@ class ACGCState:
             "own_readings": {m: list(v) for m, v in self._own_readings.items()},
             "violated": dict(self._violated),
             "sens": {k: list(v) for k, v in self._sens.items()},
+            "sens_relative": True,
             "grad_sq": list(self._grad_sq),
             "layer_noise_sq": list(self._layer_noise_sq),
             "layer_grad_sq": list(self._layer_grad_sq),
@@ -73,6 +74,8 @@ class ACGCState:
         noise = state.get("layer_noise_sq") or [{"": v} for v in state.get("noise_sq", ())]
         self._layer_noise_sq = deque(noise, maxlen=self.history)
         self._layer_grad_sq = deque(state["layer_grad_sq"], maxlen=self.history)
+        if not state.get("sens_relative", False):  # absolute readings: measured anew
+            self._sens, self._layer_grad_sq = {}, deque(maxlen=self.history)
         self._inv_var = dict(state["inv_var"])
         self._structure = {
             k: SiteRecord(**{**r, "shape": tuple(r["shape"])})
