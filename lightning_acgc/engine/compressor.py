@@ -16,6 +16,7 @@ from torch import nn
 from lightning_acgc.codecs.base import Codec, Packed
 from lightning_acgc.codecs.intpack import IntPackCodec, IntPackConfig
 from lightning_acgc.codecs.mask import MaskCodec, MaskConfig
+from lightning_acgc.engine import sites
 from lightning_acgc.engine.coalesce import Chunk, Coalescer, Member
 from lightning_acgc.engine.layout import Layout, compact, restore
 from lightning_acgc.engine.ledger import Ledger, storage_ref
@@ -359,6 +360,8 @@ class ActivationCompressor:
                 return self._keep(site, t, key, ref, raw, "tiny")
             if not self.compress_loss and site.outside_every_module:
                 return self._keep(site, t, key, ref, raw, "loss")
+            if sites.is_norm_statistic(site.module_type, t):  # its errors compound (see there)
+                return self._keep(site, t, key, ref, raw, "norm statistic")
             codec = self.policy.codec_for(site, t)
             if codec is None:
                 return self._keep(site, t, key, ref, raw, "policy")

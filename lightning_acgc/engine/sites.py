@@ -9,7 +9,22 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["ModuleTracker", "SiteInfo"]
+__all__ = ["NORM_TYPES", "ModuleTracker", "SiteInfo", "is_norm_statistic"]
+
+NORM_TYPES = frozenset(
+    {
+        "BatchNorm1d",
+        "BatchNorm2d",
+        "BatchNorm3d",
+        "SyncBatchNorm",
+        "LayerNorm",
+        "GroupNorm",
+        "InstanceNorm1d",
+        "InstanceNorm2d",
+        "InstanceNorm3d",
+        "RMSNorm",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -127,3 +142,24 @@ def is_leaf_parameter(t: torch.Tensor) -> bool:
     """A leaf that requires grad (a parameter), or a view of one."""
     base = t._base if t._base is not None else t
     return base.is_leaf and base.requires_grad
+
+
+def is_norm_statistic(module_type: str, x: torch.Tensor) -> bool:
+    """Whether ``x``, saved inside a normalization module, is one of its per-row or
+    per-channel statistics (LayerNorm's and RMSNorm's mean and 1/σ of shape (..., 1),
+    BatchNorm's per-channel mean and 1/σ): a 1/C share of the input's bytes, and read
+    in products with itself by the backward (x̂ = (x − μ)·r, then terms in r and r³), so
+    its rounding errors do not cancel: at 1 bit they left a char-level transformer at
+    +10% validation loss (acgc, e = 0.3), and at 2 bits (BatchNorm's, packed with other
+    small tensors) a fixed 2-bit ResNet fit at NaN. The engine keeps them as they are,
+    whatever the policy (reason "norm statistic" in the per-site table).
+
+    Example:
+        >>> is_norm_statistic("LayerNorm", torch.zeros(8, 16, 1))
+        True
+        >>> is_norm_statistic("LayerNorm", torch.zeros(8, 16, 64))
+        False
+    """
+    return (
+        module_type in NORM_TYPES and x.is_floating_point() and (x.dim() <= 1 or x.shape[-1] == 1)
+    )

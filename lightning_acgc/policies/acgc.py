@@ -223,8 +223,6 @@ class ACGCPolicy(
 
     # -- codecs ---------------------------------------------------------------
     def codec_for(self, site: SiteInfo, x: torch.Tensor) -> Codec | None:
-        if error_model.is_norm_statistic(site.module_type, x):
-            return None  # a 1/C share of the bytes; its errors compound (error_model)
         if self._probe is not None:
             return self.probe_codec(site, x)
         if self._calibrating:
@@ -383,7 +381,7 @@ class ACGCPolicy(
         layer_sq = {m: v if v > floor else 0.0 for m, v in layer_sq.items()}
         # a layer's own budget is e_m²·‖g_m‖² (e_m = e without a noise budget): the
         # allocation reads it as e²·(‖g_m‖²·(e_m/e)²), κ's loosening taken out
-        mean_g = sum(self._grad_sq) / len(self._grad_sq)  # layer_errors: absolute ‖g_m‖²
+        mean_g = self._mean_grad_sq  # layer_errors takes absolute ‖g_m‖²
         self._layer_errors = self.layer_errors({m: v * mean_g for m, v in layer_sq.items()})
         scale = self.layer_kappa / self.error_target**2
         layer_sq = {m: v * self._layer_errors[m] ** 2 * scale for m, v in layer_sq.items()}

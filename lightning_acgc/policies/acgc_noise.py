@@ -137,6 +137,11 @@ class NoiseBudget:
             return 1.0
         return min(grad_sq) * sum(1 / g for g in grad_sq) / len(grad_sq)
 
+    @property
+    def _mean_grad_sq(self) -> float:
+        """The mean absolute ‖g‖² of the recent calibrations (0.0 before the first)."""
+        return sum(self._grad_sq) / len(self._grad_sq) if self._grad_sq else 0.0
+
     def _update_target(self, g_sq: float) -> None:
         """This calibration's allowed error e: ``gradient_error`` and/or the noise budget."""
         self._grad_sq.append(g_sq)
@@ -149,7 +154,7 @@ class NoiseBudget:
         if not self._layer_noise_sq:
             self.error_target = self.gradient_error or self.fallback_error
             return
-        mean_g = sum(self._grad_sq) / len(self._grad_sq)
+        mean_g = self._mean_grad_sq
         noise = sum(sum(r.values()) for r in self._layer_noise_sq) / len(self._layer_noise_sq)
         e_noise = rho * math.sqrt(noise / 4 / mean_g) if mean_g > 0 else 0.0
         self._metrics["noise_error"] = e_noise

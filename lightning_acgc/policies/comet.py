@@ -22,7 +22,7 @@ from lightning_acgc.engine.sites import SiteInfo
 from lightning_acgc.policies._schedule import check_int, round_bound_down
 from lightning_acgc.policies.base import Reduce
 from lightning_acgc.policies.calibrating import CalibratingPolicy
-from lightning_acgc.policies.error_model import is_norm_statistic, tensor_sensitivities
+from lightning_acgc.policies.error_model import tensor_sensitivities
 
 __all__ = ["CometPolicy"]
 
@@ -80,8 +80,6 @@ class CometPolicy(CalibratingPolicy):
         self._step_ranges: dict[str, float] = {}
 
     def codec_for(self, site: SiteInfo, x: torch.Tensor) -> Codec | None:
-        if is_norm_statistic(site.module_type, x):
-            return None  # kept, as by every policy (error_model.is_norm_statistic)
         if self._calibrating:
             finite = x.detach()[torch.isfinite(x.detach())]
             if finite.numel():

@@ -8,7 +8,6 @@ from lightning_acgc.codecs.base import Codec
 from lightning_acgc.codecs.spec import CodecSpec
 from lightning_acgc.engine.sites import SiteInfo
 from lightning_acgc.policies.base import Policy
-from lightning_acgc.policies.error_model import is_norm_statistic
 
 __all__ = ["DivisionPolicy"]
 
@@ -64,6 +63,4 @@ class DivisionPolicy(Policy):
         self.quant = build("quant", {"bits": quant_bits, "group_size": group_size})
 
     def codec_for(self, site: SiteInfo, x: torch.Tensor) -> Codec | None:
-        if is_norm_statistic(site.module_type, x):
-            return None  # kept, as by every policy (error_model.is_norm_statistic)
         return self.division if 3 <= x.dim() <= 5 else self.quant

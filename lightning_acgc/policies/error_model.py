@@ -24,29 +24,16 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_acgc.engine.meter import SiteRecord
+from lightning_acgc.engine.sites import NORM_TYPES, is_norm_statistic
 
 __all__ = [
     "NORM_TYPES",
     "TensorSensitivity",
     "is_batch_norm_input",
+    "is_norm_statistic",
     "norm_inv_var",
     "tensor_sensitivities",
 ]
-
-NORM_TYPES = frozenset(
-    {
-        "BatchNorm1d",
-        "BatchNorm2d",
-        "BatchNorm3d",
-        "SyncBatchNorm",
-        "LayerNorm",
-        "GroupNorm",
-        "InstanceNorm1d",
-        "InstanceNorm2d",
-        "InstanceNorm3d",
-        "RMSNorm",
-    }
-)
 
 # Codec names that mean "not chosen by the policy" in a SiteRecord (a tensor the policy
 # itself chose to keep, settings "policy", is the policy's and stays in the model).
@@ -148,26 +135,6 @@ def is_batch_norm_input(module_type: str, x: torch.Tensor) -> bool:
 # plain at e = 0.3-0.6. They get at least BIAS_FLOOR bits (variance under 1% of the range²).
 SATURATING_TYPES = frozenset({"Tanh", "Sigmoid", "Softmax", "Softmin", "LogSoftmax", "Hardtanh"})
 BIAS_FLOOR = 4
-
-
-def is_norm_statistic(module_type: str, x: torch.Tensor) -> bool:
-    """Whether ``x``, saved inside a normalization module, is one of its per-row or
-    per-channel statistics (LayerNorm's and RMSNorm's mean and 1/σ of shape (..., 1),
-    BatchNorm's per-channel mean and 1/σ): a 1/C share of the input's bytes, and read
-    in products with itself by the backward (x̂ = (x − μ)·r, then terms in r and r³), so
-    its rounding errors do not cancel: at 1 bit they left a char-level transformer at
-    +10% validation loss (acgc, e = 0.3), and at 2 bits (BatchNorm's, packed with other
-    small tensors) a fixed 2-bit ResNet fit at NaN. Every policy keeps them as they are.
-
-    Example:
-        >>> is_norm_statistic("LayerNorm", torch.zeros(8, 16, 1))
-        True
-        >>> is_norm_statistic("LayerNorm", torch.zeros(8, 16, 64))
-        False
-    """
-    return (
-        module_type in NORM_TYPES and x.is_floating_point() and (x.dim() <= 1 or x.shape[-1] == 1)
-    )
 
 
 def norm_inv_var(x: torch.Tensor, module_type: str) -> float | None:

@@ -6,8 +6,8 @@ same bits and groups, but a group's step no longer follows its widest channel. W
 it fixed 2-bit training of the ResNet recipe diverges (see that module).
 
 Normalization statistics (BatchNorm's per-channel mean and 1/σ, LayerNorm's per row) are
-kept as they are, by this policy as by every other
-(:func:`~lightning_acgc.policies.error_model.is_norm_statistic`): a 1/(N·H·W) share of a
+kept as they are by the engine, whatever the policy
+(:func:`~lightning_acgc.engine.sites.is_norm_statistic`): a 1/(N·H·W) share of a
 BatchNorm's bytes, and its backward multiplies every value by 1/σ. Those of 64 channels or
 more are large enough to be packed together with other small tensors, and at 2 bits they
 made the ResNet recipe's 10-epoch fit overflow to NaN near step 75 on seeds 1, 2 and 3
@@ -24,7 +24,7 @@ from lightning_acgc.codecs.channels import ChannelNormalized
 from lightning_acgc.codecs.spec import CodecSpec
 from lightning_acgc.engine.sites import SiteInfo
 from lightning_acgc.policies.base import Policy
-from lightning_acgc.policies.error_model import is_batch_norm_input, is_norm_statistic
+from lightning_acgc.policies.error_model import is_batch_norm_input
 
 __all__ = ["FixedPolicy"]
 
@@ -56,8 +56,6 @@ class FixedPolicy(Policy):
         self.norm_input_codec = ChannelNormalized(self.codec) if quant else self.codec
 
     def codec_for(self, site: SiteInfo, x: torch.Tensor) -> Codec | None:
-        if is_norm_statistic(site.module_type, x):
-            return None  # kept: see the module docstring
         if is_batch_norm_input(site.module_type, x):
             return self.norm_input_codec
         return self.codec

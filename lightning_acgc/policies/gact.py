@@ -29,7 +29,6 @@ from lightning_acgc.policies.bit_allocation import POW2, allocate_bits
 from lightning_acgc.policies.calibrating import CalibratingPolicy
 from lightning_acgc.policies.error_model import (
     is_batch_norm_input,
-    is_norm_statistic,
     tensor_sensitivities,
 )
 
@@ -89,8 +88,6 @@ class GACTPolicy(CalibratingPolicy):
         self._weights: dict[str, deque[tuple[int, float]]] = {}
 
     def codec_for(self, site: SiteInfo, x: torch.Tensor) -> Codec | None:
-        if is_norm_statistic(site.module_type, x):
-            return None  # kept, as by every policy (error_model.is_norm_statistic)
         if self._calibrating:
             lo, hi = torch.aminmax(group_view(x.detach(), self.group_size), dim=1)
             span = (hi - lo).nan_to_num(0.0, 0.0, 0.0)
