@@ -8,6 +8,7 @@ from lightning_acgc.codecs import (  # noqa: F401  (registration)
     intpack,
     mask,
     quant,
+    split,
 )
 from lightning_acgc.codecs.base import Codec, Packed
 from lightning_acgc.codecs.registry import (

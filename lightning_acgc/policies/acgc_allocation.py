@@ -19,13 +19,14 @@ from typing import Any
 
 from lightning_acgc.codecs.registry import codec_config_class
 from lightning_acgc.policies._schedule import round_bound_down
-from lightning_acgc.policies.bit_allocation import KEEP, LADDER, allocate_to_error
+from lightning_acgc.policies.bit_allocation import KEEP, LADDER, QUANT_WIDTHS, allocate_to_error
 
 __all__ = [
     "UNCONSTRAINED",
     "Sensitivity",
     "average",
     "bounded_bounds",
+    "quant_allocation",
     "quant_meta_options",
     "quant_widths",
 ]
@@ -153,7 +154,57 @@ def bounded_bounds(
     return bounds
 
 
-def quant_widths(
+def quant_widths(*args: Any, **kwargs: Any) -> dict[str, int]:
+    """The whole widths of :func:`quant_allocation` (no tensor split between two)."""
+    return quant_allocation(*args, **kwargs)[0]
+
+
+def _own_room(own: list[tuple[float, float]], v: dict[int, float], width: int) -> float:
+    """The largest share f of a tensor's values at ``width − 1`` that keeps each of its
+    own budgets: (1 − f)·c·v(width) + f·c·v(width − 1) ≤ budget for every (c, budget)."""
+    room = 1.0
+    for c, bud in own:
+        added = c * (v[width - 1] - v[width])
+        if added > 0:
+            room = min(room, (bud - c * v[width]) / added)
+    return max(room, 0.0)
+
+
+def _low_shares(
+    widths: list[int],
+    errors: list[dict[int, float]],
+    rooms: list[float],
+    mins: list[int],
+    sizes: list[int],
+    slack: float,
+) -> list[float]:
+    """Per tensor, the share of its values that may take one bit less than ``widths``
+    (the ``split`` codec): at most ``rooms`` (its own budgets' limit, :func:`_own_room`),
+    none below its floor (``mins``), the global ``slack`` given to the tensors that save
+    the most bits per error added first. Shares are rounded down to sixteenths (few
+    distinct codecs; the error stays within).
+
+    Example:
+        >>> errs = [{b: 4.0 ** -b for b in range(1, 9)}]
+        >>> _low_shares([3], errs, [1.0], [1], [100], slack=4.0 ** -3)  # 2 bits: 4x the error
+        [0.3125]
+    """
+    shares = [0.0] * len(widths)
+    order = []
+    for i, w in enumerate(widths):
+        if w not in QUANT_WIDTHS[1:] or ORDER.index(w - 1) < ORDER.index(mins[i]):
+            continue
+        added = errors[i][w - 1] - errors[i][w]
+        if math.isfinite(added) and added > 0 and sizes[i]:
+            order.append((-sizes[i] / added, i, added))
+    for _, i, added in sorted(order):
+        f = math.floor(max(min(rooms[i], slack / added, 1.0), 0.0) * 16) / 16
+        shares[i] = f
+        slack -= f * added
+    return shares
+
+
+def quant_allocation(
     sens: dict[str, Sensitivity],
     variances: dict[str, list[float]],
     layer_sq: dict[str, float],
@@ -165,9 +216,10 @@ def quant_widths(
     raw_bits: dict[str, int],
     overhead: float,
     floors: dict[str, int] | None = None,
-) -> dict[str, int]:
+) -> tuple[dict[str, int], dict[str, float]]:
     """Widths of the ``quant`` codec (``KEEP``: not compressed) for the tensors with a
-    measured variance table (``variances[t][i]``: per-element variance at ``LADDER[i]``).
+    measured variance table (``variances[t][i]``: per-element variance at ``LADDER[i]``),
+    and the share of each tensor's values stored one bit narrower (``split`` codec).
 
     Each tensor starts at the smallest width that meets its part of the own budget of
     each module it reaches (:func:`_shared_budgets`; ``KEEP`` if float16 does not); then
@@ -178,9 +230,14 @@ def quant_widths(
     is kept at a safe 8 bits rather than trusted to a model that has no reading for it.
     ``floors``: smallest width per tensor from measured per-layer errors
     (:mod:`lightning_acgc.policies.acgc_floors`).
+
+    Widths step coarsely (a bit is about 4x the variance), so the smallest width that
+    meets a budget lands anywhere between a quarter of it and all of it; what is left,
+    of the own budgets and of the global one, lowers a share of each tensor's values by
+    one bit (:func:`_low_shares`).
     """
     keys = sorted(k for k in sens if k in variances)
-    sizes, errors, mins, raws = [], [], [], []
+    sizes, errors, mins, raws, tables, owns, lows = [], [], [], [], [], [], []
     budgets = _layer_budgets(layer_sq, e_sq, own_scale, layer_share)
     coarse = {k: max((x for x in variances[k] if math.isfinite(x)), default=0.0) for k in keys}
     shares = _shared_budgets({k: (*sens[k][:2], coarse[k]) for k in keys}, budgets)
@@ -205,5 +262,17 @@ def quant_widths(
         errors.append({b: factor * v[b] for b in LADDER})
         mins.append(max(width, floor, key=ORDER.index))
         raws.append(raw_bits.get(key, 32))
+        tables.append(v)
+        owns.append(own if factor > 0 else [(1.0, 0.0)])  # SAFE_WIDTH: no room
+        lows.append(floor)
     widths = allocate_to_error(sizes, errors, e_sq * g_sq, mins, raws, overhead)
-    return dict(zip(keys, widths, strict=True))
+    rooms = [
+        _own_room(own, v, w) if w in QUANT_WIDTHS[1:] else 0.0
+        for own, v, w in zip(owns, tables, widths, strict=True)
+    ]
+    slack = e_sq * g_sq - sum(e[w] for e, w in zip(errors, widths, strict=True) if w != KEEP)
+    shares = _low_shares(widths, errors, rooms, lows, sizes, slack)
+    return (
+        dict(zip(keys, widths, strict=True)),
+        {k: f for k, f in zip(keys, shares, strict=True) if f > 0},
+    )

@@ -209,7 +209,8 @@ class ModelCorrections:
         m["kappa"], m["lambda"] = self.kappa, self.lam
         m["error_target"] = self.error_target
         if self.codec == "quant" and self._structure:
-            widths = [(self._structure[k], b) for k, b in self.site_bits.items()]
+            split = self.site_split
+            widths = [(self._structure[k], b - split.get(k, 0)) for k, b in self.site_bits.items()]
             sized = [(math.prod(r.shape), 32 if b == KEEP else b) for r, b in widths if r.shape]
             if sized:
                 m["avg_bits"] = sum(n * b for n, b in sized) / sum(n for n, _ in sized)

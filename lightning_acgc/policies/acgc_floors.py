@@ -26,7 +26,7 @@ measured 0.16-0.27 against e = 0.5.
 
 from __future__ import annotations
 
-from lightning_acgc.policies.acgc_allocation import average
+from lightning_acgc.policies.acgc_allocation import UNCONSTRAINED, average
 from lightning_acgc.policies.bit_allocation import KEEP, LADDER, allocate_to_error
 from lightning_acgc.policies.error_model import BIAS_FLOOR, SATURATING_TYPES
 
@@ -61,8 +61,23 @@ def _variance(table: list[float], width: int) -> float:
 class ScopeFloors:
     """Mixin of :class:`~lightning_acgc.policies.acgc.ACGCPolicy`: ``_floors`` (site key →
     smallest width) and ``_floor_scopes`` (site key → the scope that set its floor) from the
-    per-layer readings. Uses ``site_bits``, ``_variances``,
-    ``_sens``, ``_raw_bits``, ``initial_width``, ``other_factor`` and ``probe_floors``."""
+    per-layer readings, and each tensor's modelled variance under the settings in force.
+    Uses ``site_bits``, ``site_split``, ``bounds``, ``codec``, ``_variances``, ``_sens``,
+    ``_raw_bits``, ``initial_width``, ``other_factor`` and ``probe_floors``."""
+
+    def _variance(self, key: str) -> float:
+        """Modelled error variance per element of tensor ``key`` under the settings (a
+        ``split`` tensor's: its shares' mix of the two widths')."""
+        if self.codec == "bounded":
+            bound = self.bounds.get(key, UNCONSTRAINED)
+            return bound**2 / 3 if bound < UNCONSTRAINED else 0.0
+        width = self.site_bits.get(key, self.initial_width)
+        table = self._variances.get(key)
+        if width == KEEP or table is None:
+            return 0.0
+        share = self.site_split.get(key, 0.0)
+        low = table[LADDER.index(width) - 1] if share else 0.0
+        return (1 - share) * table[LADDER.index(width)] + share * low
 
     def _update_floors(self, needs: dict[str, float], through_delta: dict[str, float]) -> None:
         """Tighten or loosen the floors of the other-ops tensors around each module.
@@ -100,10 +115,7 @@ class ScopeFloors:
             errors = [
                 {b: others[k] * _variance(self._variances[k], b) for b in LADDER} for k in keys
             ]
-            now = sum(
-                _variance(self._variances[k], self.site_bits.get(k, self.initial_width)) * others[k]
-                for k in keys
-            )
+            now = sum(self._variance(k) * others[k] for k in keys)
             sizes = [self._structure_numel(k) for k in keys]
             raws = [self._raw_bits.get(k, 32) for k in keys]
             budget = now / (MARGIN * scope_over[scope])
@@ -142,7 +154,7 @@ class ScopeFloors:
 
         for origin in sorted({origin_of(k) for k in floors}):
             keys = [k for k in others if within(k.rpartition(":")[0], origin)]
-            now = sum(others[k] * _variance(self._variances[k], in_force(k)) for k in keys)
+            now = sum(others[k] * self._variance(k) for k in keys)
             need = max((r for m, r in needs.items() if within(m, origin)), default=0.0)
             steps = []
             for key, floor in floors.items():

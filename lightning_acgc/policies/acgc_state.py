@@ -26,6 +26,7 @@ class ACGCState:
             "codec": self.codec,
             "bounds": dict(self.bounds),
             "site_bits": dict(self.site_bits),
+            "site_split": dict(self.site_split),
             "floors": dict(self._floors),
             "variances": {k: list(v) for k, v in self._variances.items()},
             "raw_bits": dict(self._raw_bits),
@@ -51,6 +52,7 @@ class ACGCState:
         # (checkpoints written before the quant codec or the per-layer check lack some)
         self.bounds = dict(state["bounds"])
         self.site_bits = {k: int(v) for k, v in state.get("site_bits", {}).items()}
+        self.site_split = {k: float(v) for k, v in state.get("site_split", {}).items()}
         self._floors = {k: int(v) for k, v in state.get("floors", {}).items()}
         # (tables of another width ladder, e.g. 1/2/4/8 only, are measured anew)
         self._variances = {
@@ -90,9 +92,14 @@ class ACGCState:
     def site_settings(self) -> dict[str, str]:
         if self.codec == "bounded":
             return {k: f"eb={b:.3g}" for k, b in sorted(self.bounds.items())}
-        return {k: "kept" if b == KEEP else f"bits={b}" for k, b in sorted(self.site_bits.items())}
+        return {
+            k: "kept" if b == KEEP else f"bits={b - self.site_split.get(k, 0.0):g}"
+            for k, b in sorted(self.site_bits.items())
+        }
 
     def describe(self, codec: Codec) -> str:
         if codec.name == "quant":
             return f"bits={codec.config.bits}"
+        if codec.name == "split":  # the mean width: a share of the values a bit narrower
+            return f"bits={codec.config.mean_bits:g}"
         return super().describe(codec)  # type: ignore[misc]
