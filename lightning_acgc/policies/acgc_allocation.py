@@ -237,14 +237,14 @@ def quant_allocation(
     one bit (:func:`_low_shares`).
     """
     keys = sorted(k for k in sens if k in variances)
-    sizes, errors, mins, raws, tables, owns, lows = [], [], [], [], [], [], []
+    sizes, errors, mins, raws, owns, floor_list = [], [], [], [], [], []
     budgets = _layer_budgets(layer_sq, e_sq, own_scale, layer_share)
     coarse = {k: max((x for x in variances[k] if math.isfinite(x)), default=0.0) for k in keys}
-    shares = _shared_budgets({k: (*sens[k][:2], coarse[k]) for k in keys}, budgets)
+    parts = _shared_budgets({k: (*sens[k][:2], coarse[k]) for k in keys}, budgets)
     for key in keys:
         n, weights, other = sens[key]
         v = dict(zip(LADDER, variances[key], strict=True))
-        own, orphan = _own_budgets(weights, shares[key])
+        own, orphan = _own_budgets(weights, parts[key])
         factor = sum(weights.values()) - orphan + lam(key) * (other + orphan)
         if factor <= 0:
             width = SAFE_WIDTH
@@ -262,17 +262,16 @@ def quant_allocation(
         errors.append({b: factor * v[b] for b in LADDER})
         mins.append(max(width, floor, key=ORDER.index))
         raws.append(raw_bits.get(key, 32))
-        tables.append(v)
-        owns.append(own if factor > 0 else [(1.0, 0.0)])  # SAFE_WIDTH: no room
-        lows.append(floor)
+        owns.append((own, v) if factor > 0 else None)  # SAFE_WIDTH stays whole
+        floor_list.append(floor)
     widths = allocate_to_error(sizes, errors, e_sq * g_sq, mins, raws, overhead)
     rooms = [
-        _own_room(own, v, w) if w in QUANT_WIDTHS[1:] else 0.0
-        for own, v, w in zip(owns, tables, widths, strict=True)
+        _own_room(*o, w) if o is not None and w in QUANT_WIDTHS[1:] else 0.0
+        for o, w in zip(owns, widths, strict=True)
     ]
     slack = e_sq * g_sq - sum(e[w] for e, w in zip(errors, widths, strict=True) if w != KEEP)
-    shares = _low_shares(widths, errors, rooms, lows, sizes, slack)
+    low_shares = _low_shares(widths, errors, rooms, floor_list, sizes, slack)
     return (
         dict(zip(keys, widths, strict=True)),
-        {k: f for k, f in zip(keys, shares, strict=True) if f > 0},
+        {k: f for k, f in zip(keys, low_shares, strict=True) if f > 0},
     )
