@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_acgc.engine import ActivationCompressor, EngineSettings, compressed_step
 from lightning_acgc.policies import ACGCPolicy
-from lightning_acgc.policies.acgc_allocation import quant_allocation
+from lightning_acgc.policies.acgc_allocation import SPLIT_OWN_FILL, quant_allocation
 from lightning_acgc.policies.bit_allocation import LADDER
 
 
@@ -48,6 +48,8 @@ def test_shares_use_the_room_the_whole_widths_leave_and_keep_every_budget(e_sq: 
     assert total <= e_sq * (1 + 1e-9)
     for m, g in layer_sq.items():  # each op's own input within its share of its budget
         assert own[m] <= 0.5 * e_sq * g * (1 + 1e-9), (m, own[m], widths, shares)
+        if shares.get(f"{m}:0"):  # and a split fills at most SPLIT_OWN_FILL of it
+            assert own[m] <= SPLIT_OWN_FILL * 0.5 * e_sq * g * (1 + 1e-9), (m, shares)
     assert shares and all(0 < f <= 1 and f * 16 == int(f * 16) for f in shares.values())
     whole, _ = _modelled(sens, variances, widths, {})
     assert total > whole  # the budget left by the whole widths is used
