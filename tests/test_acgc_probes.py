@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_acgc import ActivationCompression
 from lightning_acgc.engine import ActivationCompressor, EngineSettings, compressed_step
 from lightning_acgc.policies import ACGCPolicy, build_policy
-from lightning_acgc.policies.acgc_allocation import quant_widths
+from lightning_acgc.policies.acgc_allocation import quant_allocation
 from lightning_acgc.policies.acgc_probes import PROBE_WIDTH, tensor_class
 from lightning_acgc.policies.bit_allocation import LADDER
 from tests._lightning_models import fit
@@ -96,7 +96,7 @@ def test_the_probed_tensor_that_reaches_nothing_gets_fewer_bits() -> None:
     policy._probe_readings["enc.1.attn:0"] = deque([{"enc.1.q": 1.0}])
     sens = policy.probed_all({k: policy._sens[k][0] for k in policy._sens})
     layer_sq = {"enc.0.q": 1.0, "enc.1.q": 1.0}
-    widths = quant_widths(
+    widths, _ = quant_allocation(
         sens, policy._variances, layer_sq, 2.0, 1e-3, lambda k: 1.0, lambda m: 1.0, 0.5,
         {}, 0.125, policy.floors(),
     )  # fmt: skip
@@ -211,7 +211,7 @@ def test_a_layer_budget_is_shared_by_every_tensor_that_reaches_it() -> None:
         sens = {k: (1000, {"attn": c}, 0.0) for k, c in factors.items()}
         variances = {k: v for k in factors}
         args = (layer_sq, 1e9, e_sq, lambda k: 1.0, lambda m: 1.0, share, {}, 0.0)
-        return quant_widths(sens, variances, *args)
+        return quant_allocation(sens, variances, *args)[0]
 
     def used(factors: dict[str, float], bits: dict[str, int]) -> float:
         return sum(c * v[LADDER.index(bits[k])] for k, c in factors.items())

@@ -94,11 +94,15 @@ class SplitCodec:
 
     def __init__(self, config: SplitConfig) -> None:
         self.config = config
+        c = config  # the two parts' codecs, built once (encode and decode run every step)
+        self._parts = {
+            b: QuantCodec(QuantWidthConfig(bits=b, group_size=c.group_size, meta=c.meta))
+            for b in (c.bits - 1, c.bits)
+        }
 
     def _part(self, bits: int) -> QuantCodec:
-        c = self.config
-        codec = QuantCodec(QuantWidthConfig(bits=bits, group_size=c.group_size, meta=c.meta))
-        codec.backend = self.backend
+        codec = self._parts[bits]
+        codec.backend = self.backend  # set on this codec after construction (policies)
         return codec
 
     def encode(self, x: torch.Tensor, seed: int) -> Packed | None:

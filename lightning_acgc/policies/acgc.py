@@ -16,10 +16,9 @@ error stays within E = target · e² · ‖g‖² / κ:
   reduction per added bit) bring Σ c_t·v_t(b_t) within E; the budget whole widths leave
   (a bit is ~4x the variance) lowers a share of a tensor's values by one bit (``split``
   codec, filling at most 0.7 of an own budget: quick ResNet at quant2's error, 9.2x ->
-  9.6x). Unbiased
-  errors average out over a weight op's fan-in; that is why this beats error-bounded
-  rounding at equal gradient error (issue 13: 2-bit quant at 14x has the error
-  `bounded` reaches at 7x).
+  9.6x). Unbiased errors average out over a weight op's fan-in; that is why this beats
+  error-bounded rounding at equal gradient error (issue 13: 2-bit quant at 14x has the
+  error `bounded` reaches at 7x).
 * ``codec="bounded"``: COMET-style |x − x̂| ≤ eb (variance ≤ eb²/3), each tensor's share
   of E in proportion to its size (the previous default; its calibration is unchanged).
 

@@ -28,12 +28,11 @@ __all__ = [
     "bounded_bounds",
     "quant_allocation",
     "quant_meta_options",
-    "quant_widths",
 ]
 
 UNCONSTRAINED = 1e30  # bound for a tensor no gradient depends on
 ORDER = (*LADDER, KEEP)  # widths from the least to the most bits
-SAFE_WIDTH = 8  # width of a tensor no gradient depends on (see quant_widths)
+SAFE_WIDTH = 8  # width of a tensor no gradient depends on (see quant_allocation)
 # The share of each own budget a split may fill. Filled to 1, layers ran close to their
 # budgets, overran more often and drew floors: the ResNet recipe calibrating every step
 # for 40 steps kept a median 4.2x at e = 0.05 and 4.8x at e = 0.1 (whole widths: 4.8x,
@@ -157,11 +156,6 @@ def bounded_bounds(
             eb = min(eb, math.sqrt(3 * rest * n / (max(others, n) * other)))
         bounds[key] = round_bound_down(min(max(eb, 1e-30), UNCONSTRAINED))
     return bounds
-
-
-def quant_widths(*args: Any, **kwargs: Any) -> dict[str, int]:
-    """The whole widths of :func:`quant_allocation` (no tensor split between two)."""
-    return quant_allocation(*args, **kwargs)[0]
 
 
 def _own_room(own: list[tuple[float, float]], v: dict[int, float], width: int) -> float:

@@ -73,11 +73,11 @@ class ScopeFloors:
             return bound**2 / 3 if bound < UNCONSTRAINED else 0.0
         width = self.site_bits.get(key, self.initial_width)
         table = self._variances.get(key)
-        if width == KEEP or table is None:
+        if table is None:
             return 0.0
-        share = self.site_split.get(key, 0.0)
-        low = table[LADDER.index(width) - 1] if share else 0.0
-        return (1 - share) * table[LADDER.index(width)] + share * low
+        share = self.site_split.get(key, 0.0)  # only on widths 2 to 8 (acgc_allocation)
+        low = _variance(table, width - 1) if share else 0.0
+        return (1 - share) * _variance(table, width) + share * low
 
     def _update_floors(self, needs: dict[str, float], through_delta: dict[str, float]) -> None:
         """Tighten or loosen the floors of the other-ops tensors around each module.

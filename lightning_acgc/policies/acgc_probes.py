@@ -14,7 +14,7 @@ the bytes it kept.
 Off by default (``max_probes = 0``). BERT-base at e = 0.05 kept 6.1x with them instead
 of 3.5x while each tensor they found reaching a layer was held alone to that layer's
 whole budget (the quick transformer's attention went 3x over it); with the budget shared
-(:func:`~lightning_acgc.policies.acgc_allocation.quant_widths`) it keeps 3.4x, against
+(:func:`~lightning_acgc.policies.acgc_allocation.quant_allocation`) it keeps 3.4x, against
 3.3x without them, for one more forward and backward per probed class.
 
 A probe measures instead. On a verified calibration, after the exact gradient: one more
