@@ -34,6 +34,7 @@ from benchmarks._machine import (
 )
 from lightning_acgc.codecs import build_codec
 from lightning_acgc.codecs.quant import QuantWidthConfig
+from lightning_acgc.codecs.split import SplitConfig
 
 SETTINGS: dict[str, tuple[str, Any]] = {  # codec, its options (or config)
     "quant8": ("quant", {"bits": 8}),
@@ -43,6 +44,7 @@ SETTINGS: dict[str, tuple[str, Any]] = {  # codec, its options (or config)
     # widths only policies choose (acgc): a bit stream of 8 codes in 3 (6) bytes
     "quant3": ("quant", QuantWidthConfig(bits=3)),
     "quant6": ("quant", QuantWidthConfig(bits=6)),
+    "split2.5": ("split", SplitConfig(bits=3, low_share=0.5)),  # acgc's fractional widths
     "half": ("half", {}),  # float16: what acgc gives a tensor 8 bits cannot serve
     "bounded_rel1e-2": ("bounded", {"error_bound": 1e-2, "relative": True}),
     "division": ("division", {}),

@@ -18,10 +18,12 @@ from hypothesis import strategies as st
 from lightning_acgc.codecs import build_codec
 from lightning_acgc.codecs.bounded import BoundedCodec, BoundedConfig
 from lightning_acgc.codecs.quant import QuantCodec, QuantWidthConfig
+from lightning_acgc.codecs.split import SplitCodec, SplitConfig
 from tests import test_codec_bounded as bounded_tests
 from tests import test_codec_division as division_tests
 from tests import test_codec_intpack as intpack_tests
 from tests import test_codec_quant as quant_tests
+from tests import test_codec_split as split_tests
 
 pytestmark = [
     pytest.mark.gpu,
@@ -104,6 +106,43 @@ def test_quant_same_seed_same_bytes_on_gpu() -> None:
     a, b, c = codec.encode(x, 7), codec.encode(x, 7), codec.encode(x, 8)
     _same_payload(a.payload, b.payload)
     assert not torch.equal(a.payload["codes"], c.payload["codes"])
+
+
+# --- split ------------------------------------------------------------------------------
+
+
+@_GPU_SETTINGS
+@given(
+    x=quant_tests.tensors(),
+    bits=st.integers(2, 8),
+    share=st.sampled_from([0.0, 0.3, 0.9, 1.0]),
+    group=st.sampled_from([8, 64, 256]),
+)
+def test_split_within_its_parts_step_on_gpu(
+    x: torch.Tensor, bits: int, share: float, group: int
+) -> None:
+    x = _cuda(x)
+    codec = SplitCodec(SplitConfig(bits=bits, low_share=share, group_size=group))
+    packed = codec.encode(x, 3)
+    y = codec.decode(packed)
+    assert y.device == x.device and y.shape == x.shape and y.dtype == x.dtype
+    finite = quant_tests._check_special(x.cpu(), y.cpu())
+    if x.numel() == 0 or packed.codec == "identity":
+        return
+    steps = split_tests._steps(packed, x.numel(), group).cpu()
+    xd, yd = x.reshape(-1).double().cpu(), y.reshape(-1).double().cpu()
+    ulp = torch.finfo(x.dtype).eps * xd.abs() + torch.finfo(x.dtype).tiny
+    f = finite.reshape(-1)
+    assert bool(((xd - yd).abs()[f] <= steps[f] * (1 + 1e-5) + ulp[f]).all())
+
+
+def test_split_parts_are_quant_encodings_on_gpu() -> None:
+    """Each part is the GPU ``quant`` encoding of its values, byte for byte."""
+    x = torch.randn(7, 1000, device="cuda").relu()
+    packed = SplitCodec(SplitConfig(bits=4, low_share=0.3, group_size=64)).encode(x, 11)
+    k = packed.meta["split"]
+    lo = QuantCodec(QuantWidthConfig(bits=3, group_size=64)).encode(x.reshape(-1)[:k], 11)
+    _same_payload({n: packed.payload[f"lo.{n}"] for n in lo.payload}, lo.payload)
 
 
 # --- bounded ----------------------------------------------------------------------------
