@@ -43,6 +43,7 @@ from lightning_acgc.kernels.common.triton_utils import (
     check_dtype,
     eager_or_op,
     interpreting,
+    launchable,
     next_power_of_2,
     rows_per_program,
 )
@@ -175,7 +176,7 @@ def bounded_encode_triton(
         """All groups (``rows`` None), or the listed ones writing their ``flags``."""
         n_rows = n_groups if rows is None else rows.numel()
         gpp = rows_per_program(group_p2, n_rows)
-        wrap_triton(_encode_kernel)[(triton.cdiv(n_rows, gpp),)](
+        launchable(_encode_kernel)[(triton.cdiv(n_rows, gpp),)](
             x,
             offsets if rows is None else rows,  # (rows_ptr is read only with FLAGS)
             lo_p,
