@@ -5,7 +5,8 @@
 # output file, so a slow or failing phase leaves the others' results.
 #   bash scripts/gpu_check.sh OUTDIR
 # Outputs in OUTDIR: tests.log (environment and pytest), kernels.jsonl, codecs.jsonl,
-# speed.jsonl, memory.jsonl (one JSON line per benchmark run) and bench.err (their
+# speed.jsonl, memory.jsonl (one JSON line per benchmark run), profile.jsonl (host syncs
+# and host-time ops of a ResNet-50 step, scripts/gpu_profile.py) and bench.err (their
 # progress bars and errors).
 # Runs with the Python in $PYTHON (default: python3), which must hold torch with CUDA,
 # triton, lightning, transformers and torch_geometric; hydra-core and omegaconf may come
@@ -46,4 +47,5 @@ exec 2>>"$out/bench.err"
 phase 50 codecs "$py" -m benchmarks.codecs --device cuda >"$out/codecs.jsonl"
 phase 100 speed "$py" -m benchmarks.speed --device cuda --batch-size 64 >"$out/speed.jsonl"
 phase 100 memory "$py" -m benchmarks.memory --device cuda --batch-size 64 >"$out/memory.jsonl"
+phase 60 profile "$py" scripts/gpu_profile.py --configs plain quant2 acgc >"$out/profile.jsonl"
 grep "^== " "$out/tests.log" "$out/bench.err" >&1
