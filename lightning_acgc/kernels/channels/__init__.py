@@ -1,0 +1,32 @@
+"""Per-channel normalization kernels (what :mod:`lightning_acgc.codecs.channels` puts in
+front of a codec), routed by :func:`lightning_acgc.kernels.common.dispatch.route`: the
+compiled CPU path for CPU tensors, the torch reference otherwise (no Triton kernel yet:
+CUDA tensors take its torch ops)."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_acgc.kernels.channels.cpu import normalize_channels_cpu
+from lightning_acgc.kernels.channels.reference import channel_ranges
+from lightning_acgc.kernels.channels.reference import normalize_channels as normalize_ref
+from lightning_acgc.kernels.common.dispatch import route
+
+__all__ = ["channel_ranges", "normalize_channels", "normalize_ref"]
+
+
+def normalize_channels(
+    x: torch.Tensor, backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, m, s)``: ``y = (x − m)/s`` in fp32, ``m`` and ``s`` each channel's midpoint
+    and half range (dimension 1), shaped to broadcast against ``x`` (channels with a
+    NaN or ±inf, or a half range below 1e-30 but above 0, get ``m = 0, s = 1``; those
+    with ``s = 0`` give ``y = 0``).
+
+    Example:
+        >>> y, m, s = normalize_channels(torch.tensor([[1.0, -2.0], [3.0, 2.0]]))
+        >>> y.tolist(), m.flatten().tolist(), s.flatten().tolist()
+        ([[-1.0, -1.0], [1.0, 1.0]], [2.0, 0.0], [1.0, 2.0])
+    """
+    fn = route(x, backend, normalize_ref, None, normalize_channels_cpu)
+    return fn(x)
