@@ -92,3 +92,46 @@ def test_backend_torch_forces_the_reference(monkeypatch: pytest.MonkeyPatch) -> 
     _same(normalize_channels(x, backend="torch"), normalize_ref(x))
     with pytest.raises(AssertionError, match="the C path ran"):
         normalize_channels(x)
+
+
+# --- Triton (under TRITON_INTERPRET=1 here; on the GPU with the gpu mark) ----------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(x=channel_tensors(), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_triton_path_equals_the_reference(x: torch.Tensor, dtype: torch.dtype) -> None:
+    from lightning_acgc.kernels.channels.triton import normalize_channels_triton
+
+    x = x.to(dtype)
+    _same(normalize_channels_triton(x), normalize_ref(x))
+    _same(normalize_channels(x, backend="triton"), normalize_ref(x))
+
+
+def test_triton_route_leaves_strided_tensors_to_the_reference() -> None:
+    x = torch.randn(4, 6, 5, 3).contiguous(memory_format=torch.channels_last)
+    _same(normalize_channels(x, backend="triton"), normalize_ref(x))
+
+
+def test_triton_argument_errors() -> None:
+    from lightning_acgc.kernels.channels.triton import normalize_channels_triton
+
+    with pytest.raises(TypeError, match="dtype"):
+        normalize_channels_triton(torch.randn(2, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="contiguous"):
+        normalize_channels_triton(torch.randn(3, 2).t())
+    with pytest.raises(ValueError, match="two dimensions"):
+        normalize_channels_triton(torch.randn(5))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_triton_equals_the_reference_on_gpu(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 40, 9, 9, generator=gen) * torch.logspace(-4, 4, 40).view(1, 40, 1, 1)
+    x[:, 3] = 2.5
+    x[:, 5] *= 1e-36
+    x[1, 7, 0, 0] = float("nan")
+    x[2, 9, 1, 1] = float("-inf")
+    x = x.to(dtype).cuda()
+    _same(normalize_channels(x), normalize_ref(x))

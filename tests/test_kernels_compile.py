@@ -60,6 +60,17 @@ for decode in (False, True):
                      dict(BR=32, BC=64, LAST_POOLED=True, DECODE=decode, HAS_ZERO=decode,
                           OUT_KIND=2, IDX64=False))
 """,
+    "channels": """
+for ptr, bf16 in (("*fp32", False), ("*i16", True)):
+    compile_for_cuda(m._row_stats_kernel, dict(x_ptr=ptr, lo_ptr="*fp32", hi_ptr="*fp32",
+                     bad_ptr="*u8", plane="i32"), dict(BLOCK=1024, IDX64=False, BF16=bf16))
+    compile_for_cuda(m._normalize_kernel, dict(x_ptr=ptr, m_ptr="*fp32", inv_ptr="*fp32",
+                     y_ptr="*fp32", numel="i64", plane="i32", c="i32"),
+                     dict(BLOCK=2048, IDX64=True, BF16=bf16, INTERPRET=False))
+compile_for_cuda(m._channel_params_kernel, dict(lo_ptr="*fp32", hi_ptr="*fp32",
+                 bad_ptr="*u8", m_ptr="*fp32", s_ptr="*fp32", inv_ptr="*fp32", n="i32",
+                 c="i32", tiny="fp32"), dict(BLOCK_C=128, INTERPRET=False))
+""",
 }
 
 

@@ -253,7 +253,7 @@ def test_eager_launches_skip_the_higher_order_op(monkeypatch: pytest.MonkeyPatch
         seen.append(is_wrap_triton_enabled())
         return torch.library.wrap_triton(kernel)
 
-    for family in ("quant", "bounded", "division", "mask"):
+    for family in ("quant", "bounded", "division", "mask", "channels"):
         module = importlib.import_module(f"lightning_acgc.kernels.{family}.triton")
         monkeypatch.setattr(module, "wrap_triton", recording, raising=False)
     monkeypatch.setattr(_triton_utils, "wrap_triton", recording, raising=False)
@@ -264,6 +264,9 @@ def test_eager_launches_skip_the_higher_order_op(monkeypatch: pytest.MonkeyPatch
     for codec, t in zip(codecs, inputs, strict=True):
         codec.backend = "triton"
         codec.decode(codec.encode(t, seed=5))
+    from lightning_acgc.kernels.channels import normalize_channels
+
+    normalize_channels(x.reshape(2, 4, 10, 25), backend="triton")
     assert seen and not any(seen), seen
 
 

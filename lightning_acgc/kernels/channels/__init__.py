@@ -1,7 +1,7 @@
 """Per-channel normalization kernels (what :mod:`lightning_acgc.codecs.channels` puts in
-front of a codec), routed by :func:`lightning_acgc.kernels.common.dispatch.route`: the
-compiled CPU path for CPU tensors, the torch reference otherwise (no Triton kernel yet:
-CUDA tensors take its torch ops)."""
+front of a codec), routed by :func:`lightning_acgc.kernels.common.dispatch.route`: Triton
+for CUDA tensors, the compiled CPU path for CPU tensors, the torch reference for what
+those do not take (other dtypes, strided layouts) and with ``backend="torch"``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ from lightning_acgc.kernels.channels.reference import normalize_channels as norm
 from lightning_acgc.kernels.common.dispatch import route
 
 __all__ = ["channel_ranges", "normalize_channels", "normalize_ref"]
+
+_TRITON = "lightning_acgc.kernels.channels.triton:normalize_channels_triton"
+_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def normalize_channels(
@@ -28,5 +31,9 @@ def normalize_channels(
         >>> y.tolist(), m.flatten().tolist(), s.flatten().tolist()
         ([[-1.0, -1.0], [1.0, 1.0]], [2.0, 0.0], [1.0, 2.0])
     """
-    fn = route(x, backend, normalize_ref, None, normalize_channels_cpu)
+    fn = route(x, backend, normalize_ref, _TRITON, normalize_channels_cpu)
+    if fn.__name__ == "normalize_channels_triton" and not (
+        x.dtype in _TRITON_DTYPES and x.is_contiguous() and x.dim() >= 2 and x.numel()
+    ):
+        fn = normalize_ref  # a layout or dtype the kernel does not take
     return fn(x)
