@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from lightning_acgc.codecs import build_codec
 from lightning_acgc.codecs.quant import QuantCodec, QuantWidthConfig
 from lightning_acgc.codecs.split import SplitCodec, SplitConfig, split_point
+from lightning_acgc.kernels import quant as qk
 from tests.test_codec_quant import _check_special, tensors
 
 
@@ -108,3 +109,34 @@ def test_split_passes_what_quant_cannot_take() -> None:
 def test_split_bad_options(options: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         SplitConfig(**options)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_split_decodes_both_parts_into_one_output(backend: str) -> None:
+    """The parts decode into slices of one output (in place on the compiled CPU path):
+    the same values as decoding each part on its own, on every backend."""
+    x = torch.randn(5, 999).relu()
+    x[2, 7] = float("nan")
+    codec = SplitCodec(SplitConfig(bits=4, low_share=0.4, group_size=64))
+    codec.backend = backend
+    packed = codec.encode(x, seed=2)
+    parts = []
+    for name, n in (("lo", packed.meta["split"]), ("hi", x.numel() - packed.meta["split"])):
+        payload = {k[3:]: t for k, t in packed.payload.items() if k.startswith(name + ".")}
+        meta = packed.meta[name]
+        parts.append(qk.quant_decode(payload, meta["bits"], meta["group_size"], n, x.dtype))
+    expected = torch.cat(parts).view(x.shape)
+    torch.testing.assert_close(codec.decode(packed), expected, rtol=0, atol=0, equal_nan=True)
+
+
+def test_quant_decode_into_out_leaves_the_rest_and_checks_dtype() -> None:
+    x = torch.randn(300)
+    payload = qk.quant_encode(x, 3, 64, seed=1)
+    for backend in ("auto", "torch"):
+        out = torch.full((500,), 7.0)
+        got = qk.quant_decode(payload, 3, 64, 300, torch.float32, backend=backend, out=out[100:400])
+        assert got.data_ptr() == out[100:400].data_ptr()
+        assert bool((out[:100] == 7).all()) and bool((out[400:] == 7).all())
+        torch.testing.assert_close(got, qk.quant_decode(payload, 3, 64, 300, torch.float32))
+    with pytest.raises(ValueError, match="dtype"):
+        qk.quant_decode(payload, 3, 64, 300, torch.float32, out=torch.empty(300).half())

@@ -132,15 +132,21 @@ class SplitCodec:
     def decode(self, packed: Packed) -> torch.Tensor:
         if packed.codec == "identity":
             return packed.payload["raw"]
-        out = []
         k, total = packed.meta["split"], packed.shape.numel()
-        for name, numel in (("lo", k), ("hi", total - k)):
+        device = next(iter(packed.payload.values())).device
+        # both parts decode into one output (the compiled CPU path writes it in place: two
+        # part tensors and their concatenation made the decode 9x slower at 4 MB)
+        out = torch.empty(total, dtype=packed.dtype, device=device)
+        for name, start, end in (("lo", 0, k), ("hi", k, total)):
             if name not in packed.meta:
                 continue
             prefix = f"{name}."
             payload = {
                 key[len(prefix) :]: t for key, t in packed.payload.items() if key.startswith(prefix)
             }
-            part = Packed("quant", torch.Size([numel]), packed.dtype, payload, packed.meta[name])
-            out.append(self._part(packed.meta[name]["bits"]).decode(part))
-        return torch.cat(out).view(packed.shape)
+            m = packed.meta[name]
+            qk.quant_decode(
+                payload, m["bits"], m["group_size"], end - start, packed.dtype,
+                backend=self.backend, out=out[start:end],
+            )  # fmt: skip
+        return out.view(packed.shape)

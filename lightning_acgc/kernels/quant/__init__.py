@@ -85,11 +85,28 @@ def quant_decode(
     numel: int,
     dtype: torch.dtype,
     backend: str = "auto",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Flat tensor of ``numel`` decoded values in ``dtype`` (any path's payload)."""
+    """Flat tensor of ``numel`` decoded values in ``dtype`` (any path's payload).
+
+    ``out``: a contiguous flat tensor of ``numel`` values in ``dtype`` to decode into (the
+    compiled CPU path writes it directly; the others copy their result); returned.
+
+    Example:
+        >>> x = torch.arange(16.0)
+        >>> out = torch.zeros(32)
+        >>> _ = quant_decode(quant_encode(x, 8, 8, 0), 8, 8, 16, torch.float32, out=out[8:24])
+        >>> out[8].item(), out[7].item(), bool((out[8:24] - x).abs().max() < 0.05)
+        (0.0, 0.0, True)
+    """
     if payload["lo"].dtype != torch.float32 and payload["lo"].device.type != "cpu":
         backend = "torch"
     fn = route(
         payload["lo"], backend, quant_decode_ref, f"{_TRITON}:quant_decode_triton", quant_decode_cpu
     )
-    return fn(payload, bits, group_size, numel, dtype)
+    if out is not None and out.dtype != dtype:
+        raise ValueError(f"out has dtype {out.dtype}, the decode gives {dtype}")
+    if out is not None and fn is quant_decode_cpu and dtype == torch.float32:
+        return fn(payload, bits, group_size, numel, dtype, out=out)
+    flat = fn(payload, bits, group_size, numel, dtype)
+    return flat if out is None else out.copy_(flat)

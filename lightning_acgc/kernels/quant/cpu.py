@@ -56,18 +56,29 @@ def quant_encode_cpu(
 
 
 def quant_decode_cpu(
-    payload: dict[str, torch.Tensor], bits: int, group_size: int, numel: int, dtype: torch.dtype
+    payload: dict[str, torch.Tensor],
+    bits: int,
+    group_size: int,
+    numel: int,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode a payload into a flat CPU tensor; same values as ``quant_decode_ref``."""
+    """Decode a payload into a flat CPU tensor; same values as ``quant_decode_ref``.
+    ``out``: a contiguous flat float32 tensor of ``numel`` values to decode into (float32
+    output only; it is returned)."""
     lo, step, zero_kept = decode_params(payload["lo"], payload["scale"], bits)
     codes = payload["codes"].contiguous()
     groups = lo.numel()
     if lo.dtype != torch.float32 or codes.numel() != groups * group_size * bits // 8:
-        return quant_decode_ref(payload, bits, group_size, numel, dtype)
+        flat = quant_decode_ref(payload, bits, group_size, numel, dtype)
+        return flat if out is None else out.copy_(flat)
     if not (groups - 1) * group_size < numel <= groups * group_size:
         raise ValueError(f"numel={numel} does not match {groups} groups of {group_size}")
     lo, step, zk = lo.contiguous(), step.contiguous(), zero_kept.to(torch.uint8)
-    out = torch.empty(numel, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(numel, dtype=torch.float32)
+    elif not (out.dtype == dtype == torch.float32 and out.is_contiguous() and out.numel() == numel):
+        raise ValueError(f"out must be a contiguous float32 tensor of {numel} values")
     cpu_library().acgc_quant_unpack(
         codes.data_ptr(), numel, group_size, bits, lo.data_ptr(), step.data_ptr(),
         zk.data_ptr(), out.data_ptr(), cpu_threads(),
