@@ -4,7 +4,9 @@ per recipe model, measured side by side.
 Prints one JSON line. Every configuration trains its own copy of the same model on the
 same batch; a step is ``zero_grad`` + forward + backward (the optimizer step, the same
 for all, is left out so that it does not dilute the ratios). The calibrating policies
-first run their calibration steps (timed separately: ``calibration_step_ms``). After
+first run their calibration steps (timed separately: ``calibration_step_ms``; the first
+ones also build codecs, and on a GPU compile new Triton kernels, so two calibration
+steps after the rounds are timed too: ``calibration_step_warm_ms``). After
 one warm-up step each, every round runs every configuration once, in turn (each round
 starting one further along), so drift (other work on the machine, clock changes)
 affects all alike; ``vs_plain`` is the median over rounds of the step time divided by
@@ -73,6 +75,13 @@ def measure_model(args: argparse.Namespace, name: str) -> dict[str, Any]:
     for i in progress(range(args.rounds), f"speed {name}: rounds"):
         for config in order[i % len(order) :] + order[: i % len(order)]:  # rotate the start
             times[config].append(_timed(runners[config], MEASURED_STEP))
+    # Calibration steps again after the rounds: the first three also build codecs (and on
+    # a GPU compile each new width's Triton kernels), a one-time cost of a fit.
+    warm = {
+        config: [_timed(r, k * r.policy.calibrate_every) for k in (1, 2)]
+        for config, r in runners.items()
+        if r.calibrates
+    }
     for runner in runners.values():
         runner.close()
     plain = times["plain"]
@@ -89,6 +98,7 @@ def measure_model(args: argparse.Namespace, name: str) -> dict[str, Any]:
         if calibration[config]:
             calib = statistics.median(calibration[config])
             row["calibration_step_ms"] = round(1e3 * calib, 2)
+            row["calibration_step_warm_ms"] = round(1e3 * statistics.median(warm[config]), 2)
             step = statistics.median(ts)
             amortized = ((CALIBRATE_EVERY - 1) * step + calib) / CALIBRATE_EVERY
             row["amortized_vs_plain"] = round(ratio * amortized / step, 3)
