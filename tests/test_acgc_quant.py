@@ -285,3 +285,31 @@ def test_noise_relative_budget_on_linear_regression() -> None:
         assert all(h["grad_error"] <= h["error_target"] for h in history)
         targets[batch] = got
     assert targets[1024] < 0.7 * targets[256]  # tightens as the batch grows
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(64, 16, 8, 8).relu(),  # zero-kept groups
+        lambda: torch.randn(5000) * 1e-39,  # subnormals
+        lambda: torch.full((600,), 5.0),  # constant groups (step 0)
+        lambda: torch.cat([torch.randn(900), torch.tensor([float("nan"), float("inf")])]),
+        lambda: torch.randn(3000).relu() * 3e37,  # ranges near float32's max
+    ],
+    ids=["relu", "subnormal", "constant", "nonfinite", "huge"],
+)
+def test_sr_variance_compiled_sums_match_the_torch_loop(make, monkeypatch) -> None:
+    """The compiled CPU sums (acgc_sr_variance) against the torch loop they replace."""
+    from lightning_acgc.kernels.common.cpu_lib import cpu_library
+    from lightning_acgc.policies import quant_error
+
+    if cpu_library() is None:
+        pytest.skip("no C compiler")
+    x = make()
+    fast = sr_variance(x, 64)
+    monkeypatch.setattr(quant_error, "_sums_cpu", lambda *args: None)
+    slow = sr_variance(x, 64)
+    # (a subnormal range makes 1/step overflow: NaN in both, which the allocation skips)
+    assert torch.equal(fast.isinf(), slow.isinf()) and torch.equal(fast.isnan(), slow.isnan())
+    finite = slow.isfinite()
+    torch.testing.assert_close(fast[finite], slow[finite], rtol=1e-12, atol=0)

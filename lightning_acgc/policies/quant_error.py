@@ -28,6 +28,34 @@ from lightning_acgc.policies.bit_allocation import QUANT_WIDTHS
 __all__ = ["sr_variance"]
 
 
+def _sums_cpu(
+    xg: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    min_pos: torch.Tensor,
+    zero_kept: torch.Tensor,
+) -> torch.Tensor | None:
+    """Per width 1..8, the summed variance of the groups ``xg`` from the compiled CPU
+    library (``acgc_sr_variance``: the torch loop's float32 operations, one pass for all
+    widths; the torch loop ran 60% of an acgc calibration step); None where it does not
+    apply (not float32 on the CPU, or no library)."""
+    if xg.device.type != "cpu" or xg.dtype != torch.float32 or xg.numel() == 0:
+        return None
+    from lightning_acgc.kernels.common.cpu_lib import cpu_library, cpu_threads
+
+    lib = cpu_library()
+    if lib is None:
+        return None
+    xg, lo, hi, min_pos = (t.contiguous() for t in (xg, lo, hi, min_pos))
+    zk = zero_kept.to(torch.uint8)
+    sums = torch.empty(len(QUANT_WIDTHS), dtype=torch.float64)
+    lib.acgc_sr_variance(
+        xg.data_ptr(), xg.shape[0], xg.shape[1], lo.data_ptr(), hi.data_ptr(),
+        min_pos.data_ptr(), zk.data_ptr(), sums.data_ptr(), cpu_threads(),
+    )  # fmt: skip
+    return sums
+
+
 def sr_variance(x: torch.Tensor, group_size: int, max_groups: int = 2048) -> torch.Tensor:
     """Mean per-element variance of ``quant``'s stochastic rounding of ``x`` at each width
     of ``LADDER`` (float64, shape ``(len(LADDER),)``). Tensors with more than
@@ -53,8 +81,17 @@ def sr_variance(x: torch.Tensor, group_size: int, max_groups: int = 2048) -> tor
     zero_kept = (lo == 0) & (hi > 0)
     min_pos = torch.where(xg > 0, xg, torch.inf).amin(dim=1)
     is_zero = xg == 0
+    sums = _sums_cpu(xg, lo, hi, min_pos, zero_kept)
     out = []
     for bits in QUANT_WIDTHS:
+        if bits == 1 and bool(zero_kept.any()):
+            # 1-bit groups keep no zeros: a positive value may decode to 0 and flip a
+            # ReLU's mask, an error in δ the variance does not describe: never chosen.
+            out.append(torch.tensor(torch.inf, dtype=torch.float64, device=x.device))
+            continue
+        if sums is not None:
+            out.append(sums[bits - 1] / xg.numel())
+            continue
         levels = float(2**bits - 1)
         kept = zero_kept if bits > 1 else torch.zeros_like(zero_kept)
         base = torch.where(kept, min_pos, lo)
@@ -65,11 +102,6 @@ def sr_variance(x: torch.Tensor, group_size: int, max_groups: int = 2048) -> tor
         f = t - t.floor()
         var = f * (1 - f) * step[:, None].square()
         var = torch.where(kept[:, None] & is_zero, torch.zeros_like(var), var)
-        if bits == 1 and bool(zero_kept.any()):
-            # 1-bit groups keep no zeros: a positive value may decode to 0 and flip a
-            # ReLU's mask, an error in δ the variance does not describe: never chosen.
-            out.append(torch.tensor(torch.inf, dtype=torch.float64, device=x.device))
-            continue
         out.append(var.double().mean())
     ulp_sq = (2 * half_error_bound(xg)).double().square()  # HALF, LADDER's last width
     out.append(torch.where(xg != 0, ulp_sq / 12, torch.zeros_like(ulp_sq)).mean())

@@ -1330,3 +1330,46 @@ void acgc_channel_normalize(const float *x, int64_t n, int64_t c, int64_t plane,
         for (int64_t j = 0; j < plane; j++) q[j] = (p[j] - mid) * inv;
     }
 }
+
+/* The expected variance of quant's stochastic rounding (policies/quant_error.py,
+ * sr_variance): for the g x gs float32 values x (NaN/inf already zeroed) with their
+ * groups' lo, hi, smallest positive value mp and zero-kept flag zk, and each width
+ * b = 1..8 (zero-kept only for b > 1): base = zk ? mp : lo, step = (hi - base) / top with
+ * top = 2^b - 1 (2^b - 2 when zero-kept), t = (x - base) * (step > 0 ? 1 / step : 0),
+ * f = t - floor(t), and the sum of f * (1 - f) * step^2 (0 for the zeros of a zero-kept
+ * group) into sums[b - 1], in double. 16 lanes per width so the sums vectorize. */
+void acgc_sr_variance(const float *x, int64_t groups, int64_t gs, const float *lo,
+                      const float *hi, const float *mp, const uint8_t *zk, double *sums,
+                      int nthreads) {
+    double total[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma omp parallel for schedule(static) num_threads(THREADS(groups * gs)) reduction(+ : total[:8])
+    for (int64_t g = 0; g < groups; g++) {
+        const float *p = x + g * gs;
+        for (int b = 1; b <= 8; b++) {
+            int kept = zk[g] && b > 1;
+            float levels = (float)((1 << b) - 1);
+            float base = kept ? mp[g] : lo[g];
+            float top = kept ? levels - 1.0f : levels;
+            float step = (hi[g] - base) / top;
+            float inv = step > 0.0f ? 1.0f / step : 0.0f;
+            float sq = step * step;
+            double lane[16] = {0};
+            int64_t full = gs / 16 * 16;
+            for (int64_t i = 0; i < full; i += 16)
+                for (int k = 0; k < 16; k++) {
+                    float v = p[i + k], t = (v - base) * inv, f = t - floorf(t);
+                    float var = f * (1.0f - f) * sq;
+                    lane[k] += (kept && v == 0.0f) ? 0.0 : (double)var;
+                }
+            for (int64_t i = full; i < gs; i++) {
+                float v = p[i], t = (v - base) * inv, f = t - floorf(t);
+                float var = f * (1.0f - f) * sq;
+                lane[0] += (kept && v == 0.0f) ? 0.0 : (double)var;
+            }
+            double s = 0.0;
+            for (int k = 0; k < 16; k++) s += lane[k];
+            total[b - 1] += s;
+        }
+    }
+    for (int b = 0; b < 8; b++) sums[b] = total[b];
+}
