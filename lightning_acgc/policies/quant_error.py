@@ -23,37 +23,10 @@ import torch
 
 from lightning_acgc.codecs.half import half_error_bound
 from lightning_acgc.kernels.quant import group_view
+from lightning_acgc.kernels.quant.cpu import sr_variance_sums_cpu
 from lightning_acgc.policies.bit_allocation import QUANT_WIDTHS
 
 __all__ = ["sr_variance"]
-
-
-def _sums_cpu(
-    xg: torch.Tensor,
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    min_pos: torch.Tensor,
-    zero_kept: torch.Tensor,
-) -> torch.Tensor | None:
-    """Per width 1..8, the summed variance of the groups ``xg`` from the compiled CPU
-    library (``acgc_sr_variance``: the torch loop's float32 operations, one pass for all
-    widths; the torch loop ran 60% of an acgc calibration step); None where it does not
-    apply (not float32 on the CPU, or no library)."""
-    if xg.device.type != "cpu" or xg.dtype != torch.float32 or xg.numel() == 0:
-        return None
-    from lightning_acgc.kernels.common.cpu_lib import cpu_library, cpu_threads
-
-    lib = cpu_library()
-    if lib is None:
-        return None
-    xg, lo, hi, min_pos = (t.contiguous() for t in (xg, lo, hi, min_pos))
-    zk = zero_kept.to(torch.uint8)
-    sums = torch.empty(len(QUANT_WIDTHS), dtype=torch.float64)
-    lib.acgc_sr_variance(
-        xg.data_ptr(), xg.shape[0], xg.shape[1], lo.data_ptr(), hi.data_ptr(),
-        min_pos.data_ptr(), zk.data_ptr(), sums.data_ptr(), cpu_threads(),
-    )  # fmt: skip
-    return sums
 
 
 def sr_variance(x: torch.Tensor, group_size: int, max_groups: int = 2048) -> torch.Tensor:
@@ -80,8 +53,8 @@ def sr_variance(x: torch.Tensor, group_size: int, max_groups: int = 2048) -> tor
     lo, hi = xg.amin(dim=1), xg.amax(dim=1)
     zero_kept = (lo == 0) & (hi > 0)
     min_pos = torch.where(xg > 0, xg, torch.inf).amin(dim=1)
-    is_zero = xg == 0
-    sums = _sums_cpu(xg, lo, hi, min_pos, zero_kept)
+    sums = sr_variance_sums_cpu(xg, lo, hi, min_pos, zero_kept)
+    is_zero = None if sums is not None else xg == 0
     out = []
     for bits in QUANT_WIDTHS:
         if bits == 1 and bool(zero_kept.any()):

@@ -31,9 +31,6 @@ def normalize_channels(
         >>> y.tolist(), m.flatten().tolist(), s.flatten().tolist()
         ([[-1.0, -1.0], [1.0, 1.0]], [2.0, 0.0], [1.0, 2.0])
     """
-    fn = route(x, backend, normalize_ref, _TRITON, normalize_channels_cpu)
-    if fn.__name__ == "normalize_channels_triton" and not (
-        x.dtype in _TRITON_DTYPES and x.is_contiguous() and x.dim() >= 2 and x.numel()
-    ):
-        fn = normalize_ref  # a layout or dtype the kernel does not take
-    return fn(x)
+    # a layout or dtype the kernel does not take routes as a family without one would
+    fits = x.dtype in _TRITON_DTYPES and x.is_contiguous() and x.dim() >= 2 and x.numel() > 0
+    return route(x, backend, normalize_ref, _TRITON if fits else None, normalize_channels_cpu)(x)

@@ -22,7 +22,7 @@ from lightning_acgc.kernels.quant.reference import (
     quant_encode_ref,
 )
 
-__all__ = ["quant_decode_cpu", "quant_encode_cpu"]
+__all__ = ["quant_decode_cpu", "quant_encode_cpu", "sr_variance_sums_cpu"]
 
 
 def quant_encode_cpu(
@@ -85,3 +85,31 @@ def quant_decode_cpu(
     )  # fmt: skip
     flat = out if dtype == torch.float32 else out.to(dtype)
     return restore_exceptions(flat, payload["exc_idx"], payload["exc_val"])
+
+
+def sr_variance_sums_cpu(
+    xg: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    min_pos: torch.Tensor,
+    zero_kept: torch.Tensor,
+) -> torch.Tensor | None:
+    """Per width 1..8, the summed stochastic-rounding variance of the groups ``xg`` (rows;
+    NaN/inf already zeroed) with their ``lo``, ``hi``, smallest positive value and
+    zero-kept flag: the float32 operations of the torch loop in
+    :func:`lightning_acgc.policies.quant_error.sr_variance`, one pass for all widths
+    (``acgc_sr_variance``; the loop ran 60% of an acgc calibration step). None where it
+    does not apply: not float32 on the CPU, empty, or no compiled library."""
+    if xg.device.type != "cpu" or xg.dtype != torch.float32 or xg.numel() == 0:
+        return None
+    lib = cpu_library()
+    if lib is None:
+        return None
+    xg, lo, hi, min_pos = (t.contiguous() for t in (xg, lo, hi, min_pos))
+    zk = zero_kept.to(torch.uint8)
+    sums = torch.empty(8, dtype=torch.float64)
+    lib.acgc_sr_variance(
+        xg.data_ptr(), xg.shape[0], xg.shape[1], lo.data_ptr(), hi.data_ptr(),
+        min_pos.data_ptr(), zk.data_ptr(), sums.data_ptr(), cpu_threads(),
+    )  # fmt: skip
+    return sums
