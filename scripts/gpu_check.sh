@@ -5,8 +5,8 @@
 # output file, so a slow or failing phase leaves the others' results.
 #   bash scripts/gpu_check.sh OUTDIR
 # Outputs in OUTDIR: tests.log (environment and pytest), kernels.jsonl, codecs.jsonl,
-# speed.jsonl, memory.jsonl (one JSON line per benchmark run), profile.jsonl (host syncs
-# and host-time ops of a ResNet-50 step, scripts/gpu_profile.py) and bench.err (their
+# speed.jsonl, memory.jsonl (one JSON line per benchmark run), profile.jsonl (host syncs,
+# host-time ops and Python of a ResNet-50 step, scripts/gpu_profile.py), bench.err (their
 # progress bars and errors).
 # Runs with the Python in $PYTHON (default: python3), which must hold torch with CUDA,
 # triton, lightning, transformers and torch_geometric; hydra-core and omegaconf may come

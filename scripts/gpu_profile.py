@@ -1,20 +1,25 @@
 """Where a compressed training step spends its time on a GPU: the host syncs (by the
-Python line that causes them) and the ops with the most host time, per configuration.
+Python line that causes them), the ops with the most host time, and the hooks' Python,
+per configuration.
 
     python scripts/gpu_profile.py [--cases resnet50_imagenet] [--configs plain quant2 acgc]
 
 For each case and configuration: the step's median time over a few steps, then one step
 under ``torch.cuda.set_sync_debug_mode("warn")`` (every synchronizing call is counted by
-its Python file and line) and one under ``torch.profiler`` (the top ops by self host time
-and the summed kernel time). Prints one JSON line per configuration; needs a CUDA device.
+its Python file and line), one under ``torch.profiler`` (the top ops by self host time
+and the summed kernel time) and one under ``cProfile`` (the Python functions by own
+time). Prints one JSON line per configuration; ``--device cpu --quick`` is a dry run.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import functools
+import io
 import json
+import pstats
 import statistics
 import sys
 import warnings
@@ -68,6 +73,21 @@ def _profile(runner, step: int, top: int) -> dict[str, object]:
     }
 
 
+def _python_top(runner, step: int, top: int) -> list[str]:
+    """The Python functions of one step with the most own time (cProfile lines)."""
+    profile = cProfile.Profile()
+    profile.enable()
+    runner.step(step)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+    lines = text.getvalue().splitlines()
+    start = next((i for i, line in enumerate(lines) if "ncalls" in line), len(lines))
+    return [" ".join(line.split()) for line in lines[start : start + top + 1] if line.strip()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--cases", nargs="+", default=["resnet50_imagenet"])
@@ -92,6 +112,7 @@ def main() -> None:
             try:
                 row["syncs"] = _sync_sites(runner, step)
                 row.update(_profile(runner, step, args.top))
+                row["python_top"] = _python_top(runner, step, args.top)
             except Exception as error:  # keep the other configurations' rows
                 row["error"] = repr(error)
             runner.close()
