@@ -37,19 +37,21 @@ static inline int lane_stats(const float *p, int64_t len, int want, float *lo, f
     float mn[16], mx[16], mp[16];
     int nf[16];
     for (int k = 0; k < 16; k++) mn[k] = INFINITY, mx[k] = -INFINITY, mp[k] = INFINITY, nf[k] = 0;
+    /* whole rows of 16 in a loop without an exit (one with a tail test in it did not
+     * vectorize: 2.3x slower), the tail into lanes 0.. */
     int64_t full = len / 16 * 16;
-    for (int64_t i = 0; i < full + 16; i += 16) {
-        int64_t lanes = i < full ? 16 : len - full; /* the tail: lanes 0.. only */
-        for (int k = 0; k < 16; k++) {
-            if (i == full && k >= lanes) break;
-            float v = p[i + k];
-            if (want & STAT_FINITE) nf[k] |= !(fabsf(v) <= 3.4028234663852886e38f);
-            if (want & STAT_MIN) mn[k] = v < mn[k] ? v : mn[k];
-            if (want & STAT_MAX) mx[k] = v > mx[k] ? v : mx[k];
-            float c = v > 0.0f ? v : INFINITY; /* a masked min: no branch */
-            if (want & STAT_POS) mp[k] = c < mp[k] ? c : mp[k];
-        }
-    }
+#define STAT_LANE(k, v)                                                                    \
+    do {                                                                                   \
+        if (want & STAT_FINITE) nf[k] |= !(fabsf(v) <= 3.4028234663852886e38f);            \
+        if (want & STAT_MIN) mn[k] = (v) < mn[k] ? (v) : mn[k];                            \
+        if (want & STAT_MAX) mx[k] = (v) > mx[k] ? (v) : mx[k];                            \
+        float c_ = (v) > 0.0f ? (v) : INFINITY; /* a masked min: no branch */              \
+        if (want & STAT_POS) mp[k] = c_ < mp[k] ? c_ : mp[k];                              \
+    } while (0)
+    for (int64_t i = 0; i < full; i += 16)
+        for (int k = 0; k < 16; k++) STAT_LANE(k, p[i + k]);
+    for (int64_t i = full; i < len; i++) STAT_LANE(i - full, p[i]);
+#undef STAT_LANE
     int nonfinite = 0;
     for (int k = 1; k < 16; k++) {
         mn[0] = mn[k] < mn[0] ? mn[k] : mn[0];
@@ -81,6 +83,22 @@ static inline uint8_t code_of(float v, uint32_t il, uint32_t kh, float l, float 
     s = s < 0.0f ? 0.0f : s;
     s = s > tp ? tp : s;
     return (uint8_t)((uint8_t)s + (uint8_t)(z & (v != 0.0f)));
+}
+
+/* code_of for a value known to lie at or above l, as every value of a group does (l is its
+ * min, rounded down in bfloat16 metadata; in a zero-kept group its smallest positive value,
+ * rounded down, and v is 0 or above it): s >= 0 without the clamp, and a zero-kept 0 is
+ * code 0 by a select. The same codes in two fewer operations a value (the encode's loop
+ * 25% faster). zk is a constant where it is inlined. */
+static inline uint8_t code_in_range(float v, uint32_t il, uint32_t kh, float l, float iv,
+                                    float tp, int zk) {
+    uint32_t h = lowbias32(il ^ kh);
+    float u = (float)(h >> 8) * 5.9604644775390625e-08f;
+    float t = (v - l) * iv;
+    float s = t + u;
+    s = s > tp ? tp : s;
+    if (!zk) return (uint8_t)s;
+    return v != 0.0f ? (uint8_t)((uint8_t)s + 1) : 0;
 }
 
 #define CHUNK 4096
@@ -222,7 +240,8 @@ static void unpack_bytes(const uint8_t *src, int64_t m, int w, int64_t avail, ui
 /* Stochastic rounding and packing of one group of gs values, the group at element index
  * base: p[0..valid) its values, pad the value of the elements past them (the tail group of
  * the padded array) with its lo, inv (1 / step, 0 for a zero step), top and zk
- * (zero-kept); see code_of. A little-endian bit stream of bits-bit codes (1..8 bits): 8
+ * (zero-kept); see code_of (code_in_range for p's values, which lie in the group's range:
+ * the callers' l is the min of the very values they pass). A little-endian bit stream of bits-bit codes (1..8 bits): 8
  * codes fill bits bytes, code k at bit bits * k, written to out (the group's gs * bits / 8
  * bytes). */
 static inline void pack_span(const float *p, int64_t valid, float pad, int64_t base, int64_t gs,
@@ -241,10 +260,10 @@ static inline void pack_span(const float *p, int64_t valid, float pad, int64_t b
             uint32_t nreal = (uint32_t)real;
             if (z) /* a constant zk in each loop: the other has no zero test */
                 for (uint32_t j = 0; j < nreal; j++)
-                    q[j] = code_of(pc[j], il0 + j, kh, l, iv, tp, 1);
+                    q[j] = code_in_range(pc[j], il0 + j, kh, l, iv, tp, 1);
             else
                 for (uint32_t j = 0; j < nreal; j++)
-                    q[j] = code_of(pc[j], il0 + j, kh, l, iv, tp, 0);
+                    q[j] = code_in_range(pc[j], il0 + j, kh, l, iv, tp, 0);
             for (int64_t j = real; j < len; j++)
                 q[j] = code_of(pad, il0 + (uint32_t)j, kh, l, iv, tp, z);
         } else {
