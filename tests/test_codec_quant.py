@@ -261,3 +261,31 @@ def test_widths_other_than_1_2_4_8_are_for_policies_not_users() -> None:
 def test_quant_meta_rejects_unknown_format() -> None:
     with pytest.raises(ValueError, match=r"meta='fp16' is not allowed; allowed values"):
         build_codec("quant", {"meta": "fp16"})
+
+
+def _lowbias32_spec(x: int) -> int:
+    """The hash as published (Chris Wellons' lowbias32), written out here on its own."""
+    m = 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & m
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & m
+    return x ^ (x >> 16)
+
+
+def test_hash_uniform_gives_each_element_half_of_its_pairs_hash() -> None:
+    from lightning_acgc.kernels.quant.reference import hash_key, hash_uniform
+
+    seed = 12345
+    key = hash_key(seed)
+    u = hash_uniform(11, seed)  # an odd count: the last pair's high half is cut off
+    for i in range(11):
+        h = _lowbias32_spec((i >> 1) ^ _lowbias32_spec(key))  # pair index below 2**32
+        half = h & 0xFFFF if i % 2 == 0 else h >> 16
+        assert u[i].item() == half * 2.0**-16, i
+    # every value is a multiple of 2**-16 in [0, 1), and the two halves of a pair differ
+    big = hash_uniform(1 << 16, seed)
+    assert bool(((big >= 0) & (big < 1)).all())
+    assert torch.equal(big * 2**16, (big * 2**16).floor())
+    assert (big[0::2] != big[1::2]).float().mean().item() > 0.99
+    assert abs(big.double().mean().item() - 0.5) < 0.01

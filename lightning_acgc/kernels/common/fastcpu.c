@@ -71,13 +71,12 @@ static inline int stats_of(const float *p, int64_t len, float *lo, float *hi, fl
     return lane_stats(p, len, STAT_ALL, lo, hi, min_pos);
 }
 
-/* The code of value v at element index i (low 32 bits il, kh = lowbias32((i >> 32) ^ key)):
- * t = (v - lo) * inv; s = t + u with u = (lowbias32(il ^ kh) >> 8) * 2^-24; clamp(s, 0, top)
- * truncated, plus 1 where zk and v != 0. */
-static inline uint8_t code_of(float v, uint32_t il, uint32_t kh, float l, float iv, float tp,
-                              uint8_t z) {
-    uint32_t h = lowbias32(il ^ kh);
-    float u = (float)(h >> 8) * 5.9604644775390625e-08f;
+/* 2^-16: the noise's resolution (one 16-bit half of a hash per element). */
+#define NOISE_UNIT 1.52587890625e-05f
+
+/* The code of value v with noise u (noise_of): t = (v - lo) * inv; s = t + u; clamp(s, 0,
+ * top) truncated, plus 1 where zk and v != 0. */
+static inline uint8_t code_of(float v, float u, float l, float iv, float tp, uint8_t z) {
     float t = (v - l) * iv;
     float s = t + u;
     s = s < 0.0f ? 0.0f : s;
@@ -90,10 +89,7 @@ static inline uint8_t code_of(float v, uint32_t il, uint32_t kh, float l, float 
  * rounded down, and v is 0 or above it): s >= 0 without the clamp, and a zero-kept 0 is
  * code 0 by a select. The same codes in two fewer operations a value (the encode's loop
  * 25% faster). zk is a constant where it is inlined. */
-static inline uint8_t code_in_range(float v, uint32_t il, uint32_t kh, float l, float iv,
-                                    float tp, int zk) {
-    uint32_t h = lowbias32(il ^ kh);
-    float u = (float)(h >> 8) * 5.9604644775390625e-08f;
+static inline uint8_t code_in_range(float v, float u, float l, float iv, float tp, int zk) {
     float t = (v - l) * iv;
     float s = t + u;
     s = s > tp ? tp : s;
@@ -237,42 +233,56 @@ static void unpack_bytes(const uint8_t *src, int64_t m, int w, int64_t avail, ui
 #undef UNPACK_BYTES
 }
 
+/* The hashes of the element pairs p0 .. p0 + npairs - 1 (npairs <= CHUNK / 2) into w: pair p
+ * draws lowbias32((p mod 2^32) ^ lowbias32((p >> 32) ^ key)), and its elements 2p and
+ * 2p + 1 take the low and the high 16 bits as their noise (quant/reference.py's
+ * hash_uniform): one hash for two elements. */
+static inline void pair_hashes(uint64_t p0, int64_t npairs, uint32_t key, uint32_t *w) {
+    if (p0 >> 32 == (p0 + (uint64_t)npairs - 1) >> 32) {
+        /* a 32-bit counter: the pair indices need no 64-bit lanes (10% faster) */
+        uint32_t kh = lowbias32((uint32_t)(p0 >> 32) ^ key), pl0 = (uint32_t)p0;
+        for (uint32_t m = 0; m < (uint32_t)npairs; m++) w[m] = lowbias32((pl0 + m) ^ kh);
+    } else {
+        for (int64_t m = 0; m < npairs; m++) {
+            uint64_t p = p0 + (uint64_t)m;
+            w[m] = lowbias32((uint32_t)p ^ lowbias32((uint32_t)(p >> 32) ^ key));
+        }
+    }
+}
+
 /* Stochastic rounding and packing of one group of gs values, the group at element index
- * base: p[0..valid) its values, pad the value of the elements past them (the tail group of
- * the padded array) with its lo, inv (1 / step, 0 for a zero step), top and zk
- * (zero-kept); see code_of (code_in_range for p's values, which lie in the group's range:
- * the callers' l is the min of the very values they pass). A little-endian bit stream of bits-bit codes (1..8 bits): 8
- * codes fill bits bytes, code k at bit bits * k, written to out (the group's gs * bits / 8
- * bytes). */
+ * base (even: groups hold a multiple of 8): p[0..valid) its values, pad the value of the
+ * elements past them (the tail group of the padded array) with its lo, inv (1 / step, 0
+ * for a zero step), top and zk (zero-kept); see code_of (code_in_range for p's values,
+ * which lie in the group's range: the callers' l is the min of the very values they pass)
+ * and pair_hashes for the noise. A little-endian bit stream of bits-bit codes (1..8
+ * bits): 8 codes fill bits bytes, code k at bit bits * k, written to out (the group's
+ * gs * bits / 8 bytes). */
 static inline void pack_span(const float *p, int64_t valid, float pad, int64_t base, int64_t gs,
                              int bits, float l, float iv, float tp, uint8_t z, uint32_t key,
                              uint8_t *gout) {
     uint8_t q[CHUNK];
+    /* the pairs' hashes, read as 16-bit halves: element 2m's half is the low one on the
+     * little-endian hosts this file assumes (x86-64, aarch64) */
+    union {
+        uint32_t w[CHUNK / 2];
+        uint16_t half[CHUNK];
+    } noise;
     for (int64_t c0 = 0; c0 < gs; c0 += CHUNK) {
         int64_t i0 = base + c0;
         int64_t len = gs - c0 < CHUNK ? gs - c0 : CHUNK;
         int64_t real = valid - c0 < len ? (valid - c0 > 0 ? valid - c0 : 0) : len;
         const float *pc = p + c0;
-        if ((uint64_t)i0 >> 32 == (uint64_t)(i0 + len - 1) >> 32) {
-            uint32_t kh = lowbias32((uint32_t)((uint64_t)i0 >> 32) ^ key);
-            uint32_t il0 = (uint32_t)i0;
-            /* a 32-bit counter: the element indices need no 64-bit lanes (10% faster) */
-            uint32_t nreal = (uint32_t)real;
-            if (z) /* a constant zk in each loop: the other has no zero test */
-                for (uint32_t j = 0; j < nreal; j++)
-                    q[j] = code_in_range(pc[j], il0 + j, kh, l, iv, tp, 1);
-            else
-                for (uint32_t j = 0; j < nreal; j++)
-                    q[j] = code_in_range(pc[j], il0 + j, kh, l, iv, tp, 0);
-            for (int64_t j = real; j < len; j++)
-                q[j] = code_of(pad, il0 + (uint32_t)j, kh, l, iv, tp, z);
-        } else {
-            for (int64_t j = 0; j < len; j++) {
-                uint64_t i = (uint64_t)(i0 + j);
-                uint32_t kh = lowbias32((uint32_t)(i >> 32) ^ key);
-                q[j] = code_of(j < real ? pc[j] : pad, (uint32_t)i, kh, l, iv, tp, z);
-            }
-        }
+        pair_hashes((uint64_t)i0 >> 1, len / 2, key, noise.w);
+        const uint16_t *u16 = noise.half;
+        if (z) /* a constant zk in each loop: the other has no zero test */
+            for (int64_t j = 0; j < real; j++)
+                q[j] = code_in_range(pc[j], (float)u16[j] * NOISE_UNIT, l, iv, tp, 1);
+        else
+            for (int64_t j = 0; j < real; j++)
+                q[j] = code_in_range(pc[j], (float)u16[j] * NOISE_UNIT, l, iv, tp, 0);
+        for (int64_t j = real; j < len; j++)
+            q[j] = code_of(pad, (float)u16[j] * NOISE_UNIT, l, iv, tp, z);
         uint8_t *out = gout + c0 * bits / 8;
         if (bits == 8) {
             memcpy(out, q, len);
