@@ -52,12 +52,18 @@ static inline int lane_stats(const float *p, int64_t len, int want, float *lo, f
         for (int k = 0; k < 16; k++) STAT_LANE(k, p[i + k]);
     for (int64_t i = full; i < len; i++) STAT_LANE(i - full, p[i]);
 #undef STAT_LANE
+    /* the lanes folded in halves (four steps of elementwise selects; one lane after the
+     * other was a chain of 15 dependent selects a statistic, 45 cycles a group). The order
+     * picks among equal values only, so only the sign of a zero can depend on it, which
+     * no caller reads: a quant lo is stored as lo + 0.0, and bounded takes the zeros-only
+     * groups' values from torch. */
+    for (int half = 8; half >= 1; half /= 2)
+        for (int k = 0; k < half; k++) {
+            mn[k] = mn[k + half] < mn[k] ? mn[k + half] : mn[k];
+            mx[k] = mx[k + half] > mx[k] ? mx[k + half] : mx[k];
+            mp[k] = mp[k + half] < mp[k] ? mp[k + half] : mp[k];
+        }
     int nonfinite = 0;
-    for (int k = 1; k < 16; k++) {
-        mn[0] = mn[k] < mn[0] ? mn[k] : mn[0];
-        mx[0] = mx[k] > mx[0] ? mx[k] : mx[0];
-        mp[0] = mp[k] < mp[0] ? mp[k] : mp[0];
-    }
     for (int k = 0; k < 16; k++) nonfinite |= nf[k];
     *lo = mn[0];
     *hi = mx[0];
@@ -664,6 +670,31 @@ static void unpack_codes(const uint8_t *src, int64_t m, int w, int64_t avail, ui
 #undef UNPACK_W
 }
 
+/* The code of v in a group (lo l, |step| s, div = s or 1 for a zero step, zk): round((v -
+ * l) / div), half to even, +1 where zero-kept, 0 at a zero-kept 0. */
+static inline float bounded_code(float v, float l, float div, int zk) {
+    float r = rintf((v - l) / div) + (float)zk;
+    return (zk & (v == 0.0f)) ? 0.0f : r;
+}
+
+/* The codes of xs[0..m) into q (as float); with check, the count among xs[0..valid) of
+ * decoded values (cast to kind) not within eb32 of x, in the same loop (a second loop over
+ * q cost 40% of the pack). Only float stores here (the bytes for the packing follow in a
+ * loop of their own). */
+static inline __attribute__((always_inline)) int32_t
+bounded_codes(const float *xs, int64_t m, int64_t valid, float l, float div, float s, int zk,
+              float top, float eb32, int check, int kind, float *q) {
+    int32_t cnt = 0;
+    for (int64_t j = 0; j < valid; j++) {
+        float v = xs[j], c = bounded_code(v, l, div, zk);
+        q[j] = c;
+        if (check) cnt += !(fabsf(round_kind(bounded_value(c, l, s, zk, top), kind) - v) < eb32);
+    }
+    for (int64_t j = valid; j < m; j++) /* the tail group's padding: coded, not checked */
+        q[j] = bounded_code(xs[j], l, div, zk);
+    return cnt;
+}
+
 /* Encode: per group g of kind width[g] (0 constant, 1..16 coded, 255 raw) with lo/step from
  * the plan, the codes round((x - lo) / |step|) (half to even; +1 in zero-kept groups, 0 at
  * zeros) packed from byte off[g] as a little-endian bit stream; then, if check, each
@@ -693,7 +724,6 @@ void acgc_bounded_pack(const float *x, int64_t n, int64_t gs, const uint8_t *wid
         int zk = signbit(st) ? 1 : 0;
         float s = fabsf(st);
         float div = s > 0.0f ? s : 1.0f; /* coded groups (width 0 too): |step| */
-        float zf = (float)zk;
         uint8_t *out = codes + off[g];
         float q[CHUNK], xv[CHUNK];
         for (int64_t c0 = 0; c0 < gs; c0 += CHUNK) {
@@ -704,26 +734,31 @@ void acgc_bounded_pack(const float *x, int64_t n, int64_t gs, const uint8_t *wid
                 for (int64_t j = 0; j < m; j++) xv[j] = j < valid ? xs[j] : x[n - 1];
                 xs = xv;
             }
-            uint32_t qi[CHUNK];
-            for (int64_t j = 0; j < m; j++) {
-                float v = xs[j];
-                float r = rintf((v - l) / div) + zf;
-                q[j] = (zk & (v == 0.0f)) ? 0.0f : r;
-                qi[j] = (uint32_t)q[j];
-            }
-            if (w > 0) /* m is a multiple of 8: each chunk starts on a byte */
+            /* constant check, kind and zk in each copy of the loop (with zk a variable,
+             * GCC formed a select of booleans it cannot vectorize: 14x slower) */
+            int32_t cnt;
+#define CODES(CHECK, KIND)                                                                \
+    (zk ? bounded_codes(xs, m, valid, l, div, s, 1, top, eb32, CHECK, KIND, q)             \
+        : bounded_codes(xs, m, valid, l, div, s, 0, top, eb32, CHECK, KIND, q))
+            if (!check)
+                cnt = CODES(0, 0);
+            else if (kind == 0)
+                cnt = CODES(1, 0);
+            else if (kind == 1)
+                cnt = CODES(1, 1);
+            else
+                cnt = CODES(1, 2);
+#undef CODES
+            if (w > 0 && w <= 8) { /* m is a multiple of 8: each chunk starts on a byte */
+                uint8_t qb[CHUNK];
+                for (int64_t j = 0; j < m; j++) qb[j] = (uint8_t)q[j];
+                pack_bytes(qb, m, w, out + c0 / 8 * w);
+            } else if (w > 8) {
+                uint32_t qi[CHUNK];
+                for (int64_t j = 0; j < m; j++) qi[j] = (uint32_t)q[j];
                 pack_codes(qi, m, w, out + c0 / 8 * w);
+            }
             if (check) {
-                int32_t cnt = 0;
-                if (kind == 0) { /* float32 output: no rounding to a 16-bit kind */
-                    for (int64_t j = 0; j < valid; j++)
-                        cnt += !(fabsf(bounded_value(q[j], l, s, zk, top) - xs[j]) < eb32);
-                } else {
-                    for (int64_t j = 0; j < valid; j++) {
-                        float d = round_kind(bounded_value(q[j], l, s, zk, top), kind);
-                        cnt += !(fabsf(d - xs[j]) < eb32);
-                    }
-                }
                 bad += cnt;
                 if (cnt && flags) {
                     for (int64_t j = 0; j < valid; j++) {
