@@ -19,9 +19,7 @@ import torch
 from lightning_acgc.kernels.bounded import plan
 from lightning_acgc.kernels.bounded.plan import (
     RAW_WIDTH,
-    abs_bound,
     check_args,
-    f32_down,
 )
 from lightning_acgc.kernels.bounded.reference import bounded_decode_ref, bounded_encode_ref
 from lightning_acgc.kernels.common.cpu_lib import cpu_library, cpu_threads
@@ -59,6 +57,16 @@ def _zero_group_signs(
         lo[zero], hi[zero] = rows.amin(dim=1), rows.amax(dim=1)
 
 
+def _abs_bound(value_range: torch.Tensor, error_bound: float, relative: bool) -> float:
+    """:func:`~lightning_acgc.kernels.bounded.plan.abs_bound` from the least min and the
+    greatest max (float32, from C), in Python floats: the same float64 operations, without
+    the torch calls on 0-d tensors that took a fifth of a small tensor's encode."""
+    if not relative:
+        return float(error_bound)
+    least, greatest = value_range.tolist()
+    return (greatest - least) * float(error_bound)
+
+
 def bounded_encode_cpu(
     x: torch.Tensor, error_bound: float, group_size: int, relative: bool = False
 ) -> dict[str, torch.Tensor]:
@@ -82,43 +90,41 @@ def bounded_encode_cpu(
     xf = x.reshape(-1).to(torch.float32).contiguous()
     n, threads = xf.numel(), cpu_threads()
     groups = -(-n // group_size)
-    lo, hi, min_pos = (torch.empty(groups) for _ in range(3))
+    stats = torch.empty(3 * groups + 2)  # one allocation: lo, hi, smallest positive, range
+    lo, hi, min_pos = (stats[k * groups : (k + 1) * groups] for k in range(3))
     has_zero = torch.empty(groups, dtype=torch.uint8)
     bad = lib.acgc_bounded_stats(
         xf.data_ptr(), n, group_size, lo.data_ptr(), hi.data_ptr(), min_pos.data_ptr(),
-        has_zero.data_ptr(), threads,
+        has_zero.data_ptr(), stats[3 * groups :].data_ptr(), threads,
     )  # fmt: skip
     if bad == 1:  # NaN/inf: the reference sets them aside
         return bounded_encode_ref(x, error_bound, group_size, relative)
     if bad == 2:  # some group of zeros only
         _zero_group_signs(xf, group_size, lo, hi)
-    eb = abs_bound(lo, hi, None, error_bound, relative)
+    eb = _abs_bound(stats[3 * groups :], error_bound, relative)
     kind = _KIND[x.dtype]
     width = torch.empty(groups, dtype=torch.uint8)
     lo_p, step_p = torch.empty(groups), torch.empty(groups)
-    any_coded_raw = torch.empty(2, dtype=torch.int32)
-    lib.acgc_bounded_plan(
-        lo.data_ptr(), hi.data_ptr(), min_pos.data_ptr(), has_zero.data_ptr(), groups,
-        float(eb), kind, plan._STEP_SLACK, plan._MAX_STEP, plan._GRID_MAX_K, width.data_ptr(),
-        lo_p.data_ptr(), step_p.data_ptr(), any_coded_raw.data_ptr(), threads,
+    any_coded_raw = lib.acgc_bounded_plan(
+        lo.data_ptr(), hi.data_ptr(), min_pos.data_ptr(), has_zero.data_ptr(), groups, eb,
+        kind, plan._STEP_SLACK, plan._MAX_STEP, plan._GRID_MAX_K, width.data_ptr(),
+        lo_p.data_ptr(), step_p.data_ptr(), threads,
     )  # fmt: skip
-    coded_any, raw_any = any_coded_raw.tolist()
+    coded_any, raw_any = any_coded_raw & 1, any_coded_raw & 2
     offsets, nbytes = _offsets(width, group_size)
     codes = torch.empty(nbytes, dtype=torch.uint8)
-    viol = torch.zeros(groups, dtype=torch.int32)
     check = bool(coded_any)  # the reference checks only where something is coded
-    eb32 = float(f32_down(eb))
     top = torch.finfo(x.dtype).max
 
-    def pack(flags: torch.Tensor | None) -> None:
-        lib.acgc_bounded_pack(
+    def pack(flags: torch.Tensor | None) -> int:
+        """The violators' count (C rounds eb down to float32 for the check)."""
+        return lib.acgc_bounded_pack(
             xf.data_ptr(), n, group_size, width.data_ptr(), lo_p.data_ptr(), step_p.data_ptr(),
-            offsets.data_ptr(), eb32, top, kind, int(check), codes.data_ptr(), viol.data_ptr(),
+            offsets.data_ptr(), eb, top, kind, int(check), codes.data_ptr(),
             None if flags is None else flags.data_ptr(), threads,
         )  # fmt: skip
 
-    pack(None)
-    if check and bool(viol.any()):  # rare: list the violators (a second pass)
+    if pack(None) and check:  # rare: list the violators (a second pass)
         flags = torch.zeros(groups * group_size, dtype=torch.uint8)
         pack(flags)
         exc_idx = flags[:n].nonzero().view(-1)
@@ -138,7 +144,7 @@ def bounded_encode_cpu(
         "raw": raw_vals.reshape(-1),
         "exc_idx": exc_idx,
         "exc_val": xf[exc_idx].to(x.dtype),
-        "bound": eb,
+        "bound": torch.tensor(eb, dtype=torch.float64),
     }
 
 

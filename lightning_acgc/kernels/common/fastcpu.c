@@ -467,23 +467,30 @@ void acgc_mask_unpack(const uint8_t *packed, int64_t n, uint8_t *out, int nthrea
 
 /* Per group of gs values (the tail short): min, max and smallest positive value (stats_of),
  * and has_zero[g] whether it holds an exact 0, scanned (in cache) only for groups with both
- * signs, the only ones whose plan reads it (0 elsewhere). Returns 1 on NaN/inf, else 2 if
- * some group holds only zeros (whose signs the caller takes from torch), else 0. */
+ * signs, the only ones whose plan reads it (0 elsewhere); range[0..1] the least min and the
+ * greatest max (a relative bound's range). Returns 1 on NaN/inf, else 2 if some group
+ * holds only zeros (whose signs the caller takes from torch), else 0. */
 int acgc_bounded_stats(const float *x, int64_t n, int64_t gs, float *lo, float *hi,
-                       float *min_pos, uint8_t *has_zero, int nthreads) {
+                       float *min_pos, uint8_t *has_zero, float *range, int nthreads) {
     int64_t groups = (n + gs - 1) / gs;
     int bad = 0, zeros = 0;
-#pragma omp parallel for schedule(static) num_threads(THREADS(n)) reduction(| : bad, zeros)
+    float least = INFINITY, greatest = -INFINITY;
+#pragma omp parallel for schedule(static) num_threads(THREADS(n)) reduction(| : bad, zeros) \
+    reduction(min : least) reduction(max : greatest)
     for (int64_t g = 0; g < groups; g++) {
         const float *p = x + g * gs;
         int64_t len = (g + 1) * gs <= n ? gs : n - g * gs;
         bad |= stats_of(p, len, lo + g, hi + g, min_pos + g);
         zeros |= lo[g] == 0.0f && hi[g] == 0.0f;
+        least = lo[g] < least ? lo[g] : least;
+        greatest = hi[g] > greatest ? hi[g] : greatest;
         int z = 0;
         if (lo[g] < 0.0f && hi[g] > 0.0f)
             for (int64_t i = 0; i < len; i++) z |= p[i] == 0.0f;
         has_zero[g] = (uint8_t)z;
     }
+    range[0] = least;
+    range[1] = greatest;
     return bad ? 1 : zeros ? 2 : 0;
 }
 
@@ -520,11 +527,11 @@ static inline float f32_down(double v) {
  * in the same order): from each group's lo, hi, smallest positive value and has_zero and
  * the absolute bound eb, the payload's width (255: raw), lo and signed step. kind: the
  * input dtype (0 float32, 1 float16, 2 bfloat16); slack, max_step, grid_max_k: plan.py's
- * constants. any[0] = some group is coded, any[1] = some group is raw. */
-void acgc_bounded_plan(const float *lo, const float *hi, const float *min_pos,
-                       const uint8_t *has_zero, int64_t groups, double eb, int kind,
-                       double slack, double max_step, double grid_max_k, uint8_t *width,
-                       float *lo_p, float *step_p, int32_t *any, int nthreads) {
+ * constants. Returns 1 if some group is coded, plus 2 if some group is raw. */
+int acgc_bounded_plan(const float *lo, const float *hi, const float *min_pos,
+                      const uint8_t *has_zero, int64_t groups, double eb, int kind, double slack,
+                      double max_step, double grid_max_k, uint8_t *width, float *lo_p,
+                      float *step_p, int nthreads) {
     int mant = kind == 1 ? 10 : 7, emin = kind == 1 ? -14 : -126;
     double dmax = kind == 1 ? 65504.0 : 3.3895313892515355e38;
     float top_code = kind == 0 ? 65535.0f : 32767.0f;
@@ -564,8 +571,7 @@ void acgc_bounded_plan(const float *lo, const float *hi, const float *min_pos,
         coded_any |= coded;
         raw_any |= raw;
     }
-    any[0] = coded_any;
-    any[1] = raw_any;
+    return coded_any | raw_any << 1;
 }
 
 #ifdef __FLT16_MAX__
@@ -698,15 +704,16 @@ bounded_codes(const float *xs, int64_t m, int64_t valid, float l, float div, flo
 /* Encode: per group g of kind width[g] (0 constant, 1..16 coded, 255 raw) with lo/step from
  * the plan, the codes round((x - lo) / |step|) (half to even; +1 in zero-kept groups, 0 at
  * zeros) packed from byte off[g] as a little-endian bit stream; then, if check, each
- * element's decoded value (cast to kind) compared with x: |x̂ - x| < eb32 or it violates.
- * viol[g] counts the violators of group g among the first n elements; flags (if not NULL)
- * gets 1 at each violator. The tail group is padded with x[n - 1]. */
-void acgc_bounded_pack(const float *x, int64_t n, int64_t gs, const uint8_t *width,
-                       const float *lo, const float *step, const int64_t *off, float eb32,
-                       float top, int kind, int check, uint8_t *codes, int32_t *viol,
-                       uint8_t *flags, int nthreads) {
-    int64_t groups = (n + gs - 1) / gs;
-#pragma omp parallel for schedule(static) num_threads(THREADS(n))
+ * element's decoded value (cast to kind) compared with x: |x̂ - x| < eb32 or it violates,
+ * eb32 the largest float32 <= eb. Returns the number of violators among the first n
+ * elements; flags (if not NULL) gets 1 at each. The tail group is padded with x[n - 1]. */
+int64_t acgc_bounded_pack(const float *x, int64_t n, int64_t gs, const uint8_t *width,
+                          const float *lo, const float *step, const int64_t *off, double eb,
+                          float top, int kind, int check, uint8_t *codes, uint8_t *flags,
+                          int nthreads) {
+    int64_t groups = (n + gs - 1) / gs, violators = 0;
+    float eb32 = f32_down(eb);
+#pragma omp parallel for schedule(static) num_threads(THREADS(n)) reduction(+ : violators)
     for (int64_t g = 0; g < groups; g++) {
         int w = width[g];
         int64_t base = g * gs;
@@ -717,7 +724,7 @@ void acgc_bounded_pack(const float *x, int64_t n, int64_t gs, const uint8_t *wid
                 bad = (int32_t)len;
                 if (flags) memset(flags + base, 1, (size_t)len);
             }
-            viol[g] = bad;
+            violators += bad;
             continue;
         }
         float l = lo[g], st = step[g];
@@ -768,8 +775,9 @@ void acgc_bounded_pack(const float *x, int64_t n, int64_t gs, const uint8_t *wid
                 }
             }
         }
-        viol[g] = bad;
+        violators += bad;
     }
+    return violators;
 }
 
 /* Decode the coded and constant groups into out (G * gs values of kind: float32 or 16-bit
