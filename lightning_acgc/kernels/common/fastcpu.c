@@ -80,8 +80,8 @@ static inline int stats_of(const float *p, int64_t len, float *lo, float *hi, fl
 /* 2^-16: the noise's resolution (one 16-bit half of a hash per element). */
 #define NOISE_UNIT 1.52587890625e-05f
 
-/* The code of value v with noise u (noise_of): t = (v - lo) * inv; s = t + u; clamp(s, 0,
- * top) truncated, plus 1 where zk and v != 0. */
+/* The code of value v with noise u (see pair_hashes): t = (v - lo) * inv; s = t + u;
+ * clamp(s, 0, top) truncated, plus 1 where zk and v != 0. */
 static inline uint8_t code_of(float v, float u, float l, float iv, float tp, uint8_t z) {
     float t = (v - l) * iv;
     float s = t + u;
