@@ -310,6 +310,21 @@ static inline void pack_span(const float *p, int64_t valid, float pad, int64_t b
     }
 }
 
+/* The noise of elements base .. base + n - 1 (base and n even) into out, as pack_span draws
+ * it: the tests check the hash of pair indices past 2^32 with it, which no tensor that fits
+ * in memory reaches. */
+void acgc_quant_noise(uint64_t base, int64_t n, uint32_t key, float *out) {
+    union {
+        uint32_t w[CHUNK / 2];
+        uint16_t half[CHUNK];
+    } noise;
+    for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
+        int64_t len = n - c0 < CHUNK ? n - c0 : CHUNK;
+        pair_hashes((base + (uint64_t)c0) >> 1, len / 2, key, noise.w);
+        for (int64_t j = 0; j < len; j++) out[c0 + j] = (float)noise.half[j] * NOISE_UNIT;
+    }
+}
+
 /* pack_span of group g of the padded G * gs array (element i >= n has value x[n-1]). */
 static inline void pack_group(const float *x, int64_t n, int64_t gs, int bits, int64_t g,
                               float l, float iv, float tp, uint8_t z, uint32_t key,
