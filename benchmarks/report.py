@@ -113,7 +113,16 @@ def chosen(everything: dict[str, Results], mode: str) -> Results:
 def _label(result: dict[str, Any]) -> str:
     mode = result.get("mode", "quick")
     detail = "small models: a smoke test, not a verdict" if mode == "quick" else "size presets"
-    return f"*{mode} mode* ({detail}; commit {result.get('commit', 'unknown')})"
+    note = f"; {result['note']}" if result.get("note") else ""
+    return f"*{mode} mode* ({detail}; commit {result.get('commit', 'unknown')}{note})"
+
+
+def _speed_commit(memory: dict[str, Any] | None, speed: dict[str, Any] | None) -> str:
+    """Where the step times come from another commit than the memory columns: which."""
+    if not (memory and speed) or speed.get("commit") == memory.get("commit"):
+        return ""
+    note = f"; {speed['note']}" if speed.get("note") else ""
+    return f" (step times: commit {speed.get('commit', 'unknown')}{note})"
 
 
 def _section(title: str, result: dict[str, Any] | None, table: list[str]) -> list[str]:
@@ -171,7 +180,7 @@ def render(results: Path = RESULTS, mode: str = "auto") -> str:
         "‖ĝ − g‖/‖g‖ of one step against the exact gradient of the same batch.",
         "",
         *_section(
-            "Memory and time of one training step",
+            "Memory and time of one training step" + _speed_commit(memory, speed),
             memory or speed,
             memory_time_table(memory, speed),
         ),
