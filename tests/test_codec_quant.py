@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 
 from lightning_acgc.codecs import build_codec
 from lightning_acgc.codecs.quant import QuantCodec, QuantWidthConfig
+from lightning_acgc.kernels.quant.reference import hash_key, hash_uniform
+from tests._noise_spec import element_noise
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 BITS = [1, 2, 3, 4, 5, 6, 7, 8]  # users set 1, 2, 4, 8; acgc any width
@@ -263,26 +265,10 @@ def test_quant_meta_rejects_unknown_format() -> None:
         build_codec("quant", {"meta": "fp16"})
 
 
-def _lowbias32_spec(x: int) -> int:
-    """The hash as published (Chris Wellons' lowbias32), written out here on its own."""
-    m = 0xFFFFFFFF
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & m
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & m
-    return x ^ (x >> 16)
-
-
 def test_hash_uniform_gives_each_element_half_of_its_pairs_hash() -> None:
-    from lightning_acgc.kernels.quant.reference import hash_key, hash_uniform
-
     seed = 12345
-    key = hash_key(seed)
     u = hash_uniform(11, seed)  # an odd count: the last pair's high half is cut off
-    for i in range(11):
-        h = _lowbias32_spec((i >> 1) ^ _lowbias32_spec(key))  # pair index below 2**32
-        half = h & 0xFFFF if i % 2 == 0 else h >> 16
-        assert u[i].item() == half * 2.0**-16, i
+    assert u.tolist() == [element_noise(i, hash_key(seed)) for i in range(11)]
     # every value is a multiple of 2**-16 in [0, 1), and the two halves of a pair differ
     big = hash_uniform(1 << 16, seed)
     assert bool(((big >= 0) & (big < 1)).all())

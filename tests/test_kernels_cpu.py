@@ -13,7 +13,13 @@ from lightning_acgc.kernels.division.cpu import division_decode_cpu, division_en
 from lightning_acgc.kernels.mask.cpu import mask_pack_cpu, mask_unpack_cpu
 from lightning_acgc.kernels.mask.reference import mask_pack_ref, mask_unpack_ref
 from lightning_acgc.kernels.quant.cpu import quant_decode_cpu, quant_encode_cpu
-from lightning_acgc.kernels.quant.reference import quant_decode_ref, quant_encode_ref
+from lightning_acgc.kernels.quant.reference import (
+    hash_key,
+    hash_uniform,
+    quant_decode_ref,
+    quant_encode_ref,
+)
+from tests._noise_spec import element_noise
 
 pytestmark = pytest.mark.skipif(cpu_lib.cpu_library() is None, reason="no C compiler here")
 
@@ -245,30 +251,14 @@ def test_intpack_cpu_rejects_a_payload_of_another_size() -> None:
         intpack_decode_cpu(payload, 16, 200, torch.int64)
 
 
-def _lowbias32(x: int) -> int:
-    m = 0xFFFFFFFF
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & m
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & m
-    return x ^ (x >> 16)
-
-
 @pytest.mark.parametrize("base", [0, 2**33 - 8, 2**40 + 2**33 - 2])
 def test_compiled_noise_follows_the_pair_hash_past_32_bit_indices(base: int) -> None:
     """The C encode's noise of elements ``base..base+15``: pair p = i >> 1 hashes
     ``(p mod 2**32) ^ lowbias32((p >> 32) ^ key)``, element 2p takes the low half. Pairs
     that cross 2**32 take the C path's 64-bit branch (no tensor reaches it)."""
-    from lightning_acgc.kernels.quant.reference import hash_key, hash_uniform
-
     key = hash_key(77)
     out = torch.empty(16)
     cpu_lib.cpu_library().acgc_quant_noise(base, 16, key, out.data_ptr())
-    expected = []
-    for i in range(base, base + 16):
-        p = i >> 1
-        h = _lowbias32((p & 0xFFFFFFFF) ^ _lowbias32((p >> 32) ^ key))
-        expected.append((h & 0xFFFF if i % 2 == 0 else h >> 16) * 2.0**-16)
-    assert out.tolist() == expected
+    assert out.tolist() == [element_noise(i, key) for i in range(base, base + 16)]
     if base == 0:
         assert torch.equal(out, hash_uniform(16, 77))
