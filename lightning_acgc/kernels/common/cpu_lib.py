@@ -43,7 +43,7 @@ _F32, _F64 = ctypes.c_float, ctypes.c_double
 _VIEW = [_I64, _I64, _I64, _I64, _I32, _I32]  # division's (planes, h, w, block, pool h, pool w)
 _SIGNATURES = {
     "acgc_quant_encode": (_I32, [_P, _I64, _I64, _I32, _I32, _U32, _P, _P, _P, _I32]),
-    "acgc_quant_unpack": (None, [_P, _I64, _I64, _I32, _P, _P, _P, _P, _I32]),
+    "acgc_quant_unpack": (_I32, [_P, _I64, _I64, _I32, _P, _P, _I32, _P, _I32]),
     "acgc_quant_noise": (None, [ctypes.c_uint64, _I64, _U32, _P]),
     "acgc_mask_pack": (None, [_P, _I64, _P, _I32]),
     "acgc_mask_unpack": (None, [_P, _I64, _P, _I32]),

@@ -434,16 +434,36 @@ static inline void unpack_group(const uint8_t *src, int64_t len, int64_t gs, int
     }
 }
 
-/* Decode n values (unpack_group of every group). */
-void acgc_quant_unpack(const uint8_t *codes, int64_t n, int64_t gs, int bits, const float *lo,
-                       const float *step, const uint8_t *zk, float *out, int nthreads) {
+/* A stored metadata value (float32, or bfloat16 bits when bf16) as float32. */
+static inline float meta_value(const void *p, int64_t g, int bf16) {
+    if (bf16) return f32_of((uint32_t)((const uint16_t *)p)[g] << 16);
+    return ((const float *)p)[g];
+}
+
+/* Decode n values (unpack_group of every group) from the payload's lo and signed scale
+ * (float32, or bfloat16 with bf16 set) as quant/reference.py's decode_params reads them:
+ * step |scale|, zero-kept where scale's sign is set. Returns 1, writing nothing, where
+ * some group's lo + levels * step overflows float32 (the reference then decodes in
+ * float64), else 0. */
+int acgc_quant_unpack(const uint8_t *codes, int64_t n, int64_t gs, int bits, const void *lo,
+                      const void *scale, int bf16, float *out, int nthreads) {
     int64_t groups = (n + gs - 1) / gs;
+    float levels = (float)((1 << bits) - 1);
+    int wide = 0;
+#pragma omp parallel for schedule(static) num_threads(THREADS(groups * 64)) reduction(| : wide)
+    for (int64_t g = 0; g < groups; g++) {
+        float top = meta_value(lo, g, bf16) + levels * fabsf(meta_value(scale, g, bf16));
+        wide |= !(fabsf(top) <= 3.4028234663852886e38f);
+    }
+    if (wide) return 1;
 #pragma omp parallel for schedule(static) num_threads(THREADS(n))
     for (int64_t g = 0; g < groups; g++) {
         int64_t len = (g + 1) * gs <= n ? gs : n - g * gs;
-        unpack_group(codes + g * (gs * bits / 8), len, gs, bits, lo[g], step[g], zk[g],
-                     out + g * gs);
+        float sc = meta_value(scale, g, bf16);
+        unpack_group(codes + g * (gs * bits / 8), len, gs, bits, meta_value(lo, g, bf16),
+                     fabsf(sc), signbit(sc) ? 1 : 0, out + g * gs);
     }
+    return 0;
 }
 
 /* 1-bit packing of n bytes holding 0/1: bit i % 8 of byte i / 8 is element i (tail 0). */

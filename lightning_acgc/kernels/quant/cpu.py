@@ -16,7 +16,6 @@ import torch
 from lightning_acgc.kernels.common.cpu_lib import cpu_library, cpu_threads
 from lightning_acgc.kernels.common.nonfinite import restore_exceptions
 from lightning_acgc.kernels.quant.reference import (
-    decode_params,
     hash_key,
     quant_decode_ref,
     quant_encode_ref,
@@ -65,26 +64,45 @@ def quant_decode_cpu(
 ) -> torch.Tensor:
     """Decode a payload into a flat CPU tensor; same values as ``quant_decode_ref``.
     ``out``: a contiguous flat float32 tensor of ``numel`` values to decode into (float32
-    output only; it is returned)."""
-    lo, step, zero_kept = decode_params(payload["lo"], payload["scale"], bits)
-    codes = payload["codes"].contiguous()
+    output only; it is returned). C reads the stored lo and scale as ``decode_params``
+    does (a payload whose decode needs float64 goes to the reference)."""
+    lo, scale, codes = payload["lo"], payload["scale"], payload["codes"]
     groups = lo.numel()
-    if lo.dtype != torch.float32 or codes.numel() != groups * group_size * bits // 8:
-        flat = quant_decode_ref(payload, bits, group_size, numel, dtype)
-        return flat if out is None else out.copy_(flat)
+    stored = (torch.float32, torch.bfloat16)
+    if (
+        lo.dtype not in stored
+        or scale.dtype != lo.dtype
+        or codes.numel() != groups * group_size * bits // 8
+    ):
+        return _decode_ref(payload, bits, group_size, numel, dtype, out)
     if not (groups - 1) * group_size < numel <= groups * group_size:
         raise ValueError(f"numel={numel} does not match {groups} groups of {group_size}")
-    lo, step, zk = lo.contiguous(), step.contiguous(), zero_kept.to(torch.uint8)
-    if out is None:
-        out = torch.empty(numel, dtype=torch.float32)
-    elif not (out.dtype == dtype == torch.float32 and out.is_contiguous() and out.numel() == numel):
+    if out is not None and not (
+        out.dtype == dtype == torch.float32 and out.is_contiguous() and out.numel() == numel
+    ):
         raise ValueError(f"out must be a contiguous float32 tensor of {numel} values")
-    cpu_library().acgc_quant_unpack(
-        codes.data_ptr(), numel, group_size, bits, lo.data_ptr(), step.data_ptr(),
-        zk.data_ptr(), out.data_ptr(), cpu_threads(),
+    dest = torch.empty(numel, dtype=torch.float32) if out is None else out
+    lo, scale, codes = lo.contiguous(), scale.contiguous(), codes.contiguous()
+    wide = cpu_library().acgc_quant_unpack(
+        codes.data_ptr(), numel, group_size, bits, lo.data_ptr(), scale.data_ptr(),
+        int(lo.dtype == torch.bfloat16), dest.data_ptr(), cpu_threads(),
     )  # fmt: skip
-    flat = out if dtype == torch.float32 else out.to(dtype)
+    if wide:  # some lo + levels * step beyond float32: the reference's float64 decode
+        return _decode_ref(payload, bits, group_size, numel, dtype, out)
+    flat = dest if dtype == torch.float32 else dest.to(dtype)
     return restore_exceptions(flat, payload["exc_idx"], payload["exc_val"])
+
+
+def _decode_ref(
+    payload: dict[str, torch.Tensor],
+    bits: int,
+    group_size: int,
+    numel: int,
+    dtype: torch.dtype,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    flat = quant_decode_ref(payload, bits, group_size, numel, dtype)
+    return flat if out is None else out.copy_(flat)
 
 
 def sr_variance_sums_cpu(
