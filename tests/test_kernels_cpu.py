@@ -189,6 +189,22 @@ def test_division_fused_kernels_bit_identical(
         assert torch.equal(_bits(a), _bits(b)), dtype
 
 
+def test_division_fused_decode_declines_a_residual_that_needs_float64() -> None:
+    """A group whose lo + levels * step overflows float32 makes the reference decode the
+    residual in float64: the fused decoder declines (C checks before writing) and the
+    public decode gives the reference's bits."""
+    from lightning_acgc.kernels.division.cpu import _decode_fused
+
+    x = torch.randn(4, 64)
+    payload = dict(division_encode_ref(x, 8, 2, 64, torch.float32, 7))
+    payload["lo"], payload["scale"] = payload["lo"].clone(), payload["scale"].clone()
+    payload["lo"][0], payload["scale"][0] = 3e38, 1e38  # 3e38 + 3 * 1e38 overflows
+    assert _decode_fused(payload, x.shape, torch.float32, 8, 2, 64) is None
+    got = division_decode_cpu(payload, x.shape, torch.float32, 8, 2, 64)
+    want = division_decode_ref(payload, x.shape, torch.float32, 8, 2, 64)
+    assert torch.equal(_bits(got), _bits(want))
+
+
 def test_division_fused_kernels_decline_what_the_reference_handles() -> None:
     """NaN/inf, subnormal averages, float16 averages, groups over 4096 and 5-D tensors go to
     the unfused path, which still gives the reference's bits."""

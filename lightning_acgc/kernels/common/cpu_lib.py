@@ -61,8 +61,8 @@ _SIGNATURES = {
         [_P, *_VIEW, _P, _I32, _I64, _U32, _P, _P, _P, _P, _P, _I32],
     ),
     "acgc_division_decode": (
-        None,
-        [_P, *_VIEW, _P, _I32, _I64, _P, _P, _P, _F32, _P, _F32, _P, _I32],
+        _I32,
+        [_P, *_VIEW, _P, _I32, _I64, _P, _P, _F32, _P, _F32, _P, _I32],
     ),
     "acgc_intpack_base": (ctypes.c_uint64, [_P, _I64, _I64, _P, _I32]),
     "acgc_intpack_pack": (None, [_P, _I64, _I64, _P, _I32, _P, _I32]),

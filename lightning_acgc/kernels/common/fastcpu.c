@@ -440,6 +440,20 @@ static inline float meta_value(const void *p, int64_t g, int bf16) {
     return ((const float *)p)[g];
 }
 
+/* Whether some group's lo + levels * |scale| overflows float32 (decode_params then
+ * switches the whole tensor to float64, which the callers leave to the reference). */
+static int meta_wide(const void *lo, const void *scale, int bf16, int64_t groups, int bits,
+                     int nthreads) {
+    float levels = (float)((1 << bits) - 1);
+    int wide = 0;
+#pragma omp parallel for schedule(static) num_threads(THREADS(groups * 64)) reduction(| : wide)
+    for (int64_t g = 0; g < groups; g++) {
+        float top = meta_value(lo, g, bf16) + levels * fabsf(meta_value(scale, g, bf16));
+        wide |= !(fabsf(top) <= 3.4028234663852886e38f);
+    }
+    return wide;
+}
+
 /* Decode n values (unpack_group of every group) from the payload's lo and signed scale
  * (float32, or bfloat16 with bf16 set) as quant/reference.py's decode_params reads them:
  * step |scale|, zero-kept where scale's sign is set. Returns 1, writing nothing, where
@@ -448,14 +462,7 @@ static inline float meta_value(const void *p, int64_t g, int bf16) {
 int acgc_quant_unpack(const uint8_t *codes, int64_t n, int64_t gs, int bits, const void *lo,
                       const void *scale, int bf16, float *out, int nthreads) {
     int64_t groups = (n + gs - 1) / gs;
-    float levels = (float)((1 << bits) - 1);
-    int wide = 0;
-#pragma omp parallel for schedule(static) num_threads(THREADS(groups * 64)) reduction(| : wide)
-    for (int64_t g = 0; g < groups; g++) {
-        float top = meta_value(lo, g, bf16) + levels * fabsf(meta_value(scale, g, bf16));
-        wide |= !(fabsf(top) <= 3.4028234663852886e38f);
-    }
-    if (wide) return 1;
+    if (meta_wide(lo, scale, bf16, groups, bits, nthreads)) return 1;
 #pragma omp parallel for schedule(static) num_threads(THREADS(n))
     for (int64_t g = 0; g < groups; g++) {
         int64_t len = (g + 1) * gs <= n ? gs : n - g * gs;
@@ -1115,23 +1122,28 @@ int acgc_division_residual(const float *x, int64_t planes, int64_t h, int64_t w,
     return status;
 }
 
-/* The division decode of n values: each group's residual unpacked into out (unpack_group),
- * upsample(low) added, then clamped to +-fmax with the zero mask applied (finish_chunk). */
-void acgc_division_decode(const uint8_t *codes, int64_t planes, int64_t h, int64_t w,
-                          int64_t blk, int ph, int pw, const float *low, int bits, int64_t gs,
-                          const float *lo, const float *step, const uint8_t *zk, float fmax,
-                          const uint8_t *zmask, float min_pos, float *out, int nthreads) {
+/* The division decode of n values: each group's residual unpacked into out (unpack_group,
+ * from the residual's float32 lo and signed scale as acgc_quant_unpack reads them),
+ * upsample(low) added, then clamped to +-fmax with the zero mask applied (finish_chunk).
+ * Returns 1, writing nothing, where the residual's decode needs float64 (meta_wide). */
+int acgc_division_decode(const uint8_t *codes, int64_t planes, int64_t h, int64_t w,
+                         int64_t blk, int ph, int pw, const float *low, int bits, int64_t gs,
+                         const float *lo, const float *scale, float fmax, const uint8_t *zmask,
+                         float min_pos, float *out, int nthreads) {
     int64_t n = planes * h * w, groups = (n + gs - 1) / gs;
+    if (meta_wide(lo, scale, 0, groups, bits, nthreads)) return 1;
 #pragma omp parallel for schedule(static) num_threads(THREADS(n))
     for (int64_t g = 0; g < groups; g++) {
         int64_t i0 = g * gs, len = n - i0 < gs ? n - i0 : gs;
         float *o = out + i0;
-        unpack_group(codes + g * (gs * bits / 8), len, gs, bits, lo[g], step[g], zk[g], o);
+        unpack_group(codes + g * (gs * bits / 8), len, gs, bits, lo[g], fabsf(scale[g]),
+                     signbit(scale[g]) ? 1 : 0, o);
         float up[CHUNK];
         upsample_span(low, i0, len, h, w, blk, ph, pw, up);
         for (int64_t k = 0; k < len; k++) o[k] = o[k] + up[k];
         finish_chunk(o, len, fmax, zmask ? zmask + i0 / 8 : 0, min_pos);
     }
+    return 0;
 }
 
 /* ---- intpack: int64 values as residuals over their group's minimum, bit-packed at one

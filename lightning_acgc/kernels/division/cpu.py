@@ -27,7 +27,7 @@ from lightning_acgc.kernels.division.reference import (
 )
 from lightning_acgc.kernels.mask.cpu import mask_pack_cpu, mask_unpack_cpu
 from lightning_acgc.kernels.quant.cpu import quant_decode_cpu, quant_encode_cpu
-from lightning_acgc.kernels.quant.reference import decode_params, hash_key
+from lightning_acgc.kernels.quant.reference import hash_key
 
 __all__ = ["CPU_KERNELS", "division_decode_cpu", "division_encode_cpu"]
 
@@ -173,19 +173,19 @@ def _decode_fused(
     low = payload["low"].float().contiguous()
     if low.numel() != planes * _pooled(h, ph, block) * _pooled(w, pw, block):
         return None
-    lo, step, zero_kept = decode_params(lo, scale, bits)
-    if lo.dtype != torch.float32:  # float64 arithmetic: a range beyond float32
+    if lo.dtype != torch.float32 or scale.dtype != torch.float32:
         return None
-    lo, step, zk = lo.contiguous(), step.contiguous(), zero_kept.to(torch.uint8)
+    lo, scale = lo.contiguous(), scale.contiguous()
     zmask = payload.get("zero_mask")
     zmask = None if zmask is None else zmask.contiguous()
     min_pos = float(payload["min_pos"]) if zmask is not None else 0.0
     out = torch.empty(n, dtype=torch.float32)
-    cpu_library().acgc_division_decode(
+    if cpu_library().acgc_division_decode(
         codes.contiguous().data_ptr(), planes, h, w, block, ph, pw, low.data_ptr(), bits,
-        group_size, lo.data_ptr(), step.data_ptr(), zk.data_ptr(), torch.finfo(dtype).max,
+        group_size, lo.data_ptr(), scale.data_ptr(), torch.finfo(dtype).max,
         None if zmask is None else zmask.data_ptr(), min_pos, out.data_ptr(), cpu_threads(),
-    )  # fmt: skip
+    ):  # fmt: skip
+        return None  # the residual's decode needs float64 arithmetic: the caller's path
     flat = out if dtype == torch.float32 else out.to(dtype)
     return restore_exceptions(flat, payload["exc_idx"], payload["exc_val"]).view(shape)
 
