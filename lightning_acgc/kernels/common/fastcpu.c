@@ -10,6 +10,13 @@
 #include <stdint.h>
 #include <string.h>
 
+/* The bit streams and the noise's 16-bit halves are read and written through words in
+ * little-endian order: elsewhere the build fails and the codecs take the torch reference
+ * (cpu_lib.py's one-line notice) rather than writing other bytes. */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "fastcpu.c assumes a little-endian host"
+#endif
+
 /* Threads for a call over `work` elements: one below 32K elements, where waking the
  * team costs more than the work (many small saved tensors, e.g. RNN steps). */
 #define THREADS(work) ((work) < 32768 ? 1 : nthreads)
