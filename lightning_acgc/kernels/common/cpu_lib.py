@@ -39,12 +39,13 @@ _FLAGS = [
 ]
 
 _I64, _I32, _U32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p
+_U64 = ctypes.c_uint64
 _F32, _F64 = ctypes.c_float, ctypes.c_double
 _VIEW = [_I64, _I64, _I64, _I64, _I32, _I32]  # division's (planes, h, w, block, pool h, pool w)
 _SIGNATURES = {
     "acgc_quant_encode": (_I32, [_P, _I64, _I64, _I32, _I32, _U32, _P, _P, _P, _I32]),
     "acgc_quant_unpack": (_I32, [_P, _I64, _I64, _I32, _P, _P, _I32, _P, _I32]),
-    "acgc_quant_noise": (None, [ctypes.c_uint64, _I64, _U32, _P]),
+    "acgc_quant_noise": (None, [_U64, _I64, _U32, _P]),
     "acgc_mask_pack": (None, [_P, _I64, _P, _I32]),
     "acgc_mask_unpack": (None, [_P, _I64, _P, _I32]),
     "acgc_has_f16": (_I32, []),

@@ -87,22 +87,14 @@ static inline int stats_of(const float *p, int64_t len, float *lo, float *hi, fl
 /* 2^-16: the noise's resolution (one 16-bit half of a hash per element). */
 #define NOISE_UNIT 1.52587890625e-05f
 
-/* The code of value v with noise u (see pair_hashes): t = (v - lo) * inv; s = t + u;
- * clamp(s, 0, top) truncated, plus 1 where zk and v != 0. */
-static inline uint8_t code_of(float v, float u, float l, float iv, float tp, uint8_t z) {
-    float t = (v - l) * iv;
-    float s = t + u;
-    s = s < 0.0f ? 0.0f : s;
-    s = s > tp ? tp : s;
-    return (uint8_t)((uint8_t)s + (uint8_t)(z & (v != 0.0f)));
-}
-
-/* code_of for a value known to lie at or above l, as every value of a group does (l is its
- * min, rounded down in bfloat16 metadata; in a zero-kept group its smallest positive value,
- * rounded down, and v is 0 or above it): s >= 0 without the clamp, and a zero-kept 0 is
- * code 0 by a select. The same codes in two fewer operations a value (the encode's loop
- * 25% faster). zk is a constant where it is inlined. */
-static inline uint8_t code_in_range(float v, float u, float l, float iv, float tp, int zk) {
+/* The code of value v with noise u (see pair_hashes), for a v at or above l, as every
+ * value of its group is (l is the group's min, rounded down in bfloat16 metadata; in a
+ * zero-kept group its smallest positive value, rounded down, and v is 0 or above it):
+ * t = (v - lo) * inv; s = t + u, >= 0 with no clamp; min(s, top) truncated, plus 1 where
+ * zk and v != 0, and a zero-kept 0 is code 0 (the reference's clamp at 0 gives the same
+ * codes; without it the encode's loop runs 25% faster). zk is a constant where the loop
+ * should vectorize. */
+static inline uint8_t code_of(float v, float u, float l, float iv, float tp, int zk) {
     float t = (v - l) * iv;
     float s = t + u;
     s = s > tp ? tp : s;
@@ -266,9 +258,9 @@ static inline void pair_hashes(uint64_t p0, int64_t npairs, uint32_t key, uint32
 /* Stochastic rounding and packing of one group of gs values, the group at element index
  * base (even: groups hold a multiple of 8): p[0..valid) its values, pad the value of the
  * elements past them (the tail group of the padded array) with its lo, inv (1 / step, 0
- * for a zero step), top and zk (zero-kept); see code_of (code_in_range for p's values,
- * which lie in the group's range: the callers' l is the min of the very values they pass)
- * and pair_hashes for the noise. A little-endian bit stream of bits-bit codes (1..8
+ * for a zero step), top and zk (zero-kept); see code_of (p's values and pad lie in the
+ * group's range: the callers' l is the min of the very values they pass, pad the last of
+ * them) and pair_hashes for the noise. A little-endian bit stream of bits-bit codes (1..8
  * bits): 8 codes fill bits bytes, code k at bit bits * k, written to out (the group's
  * gs * bits / 8 bytes). */
 static inline void pack_span(const float *p, int64_t valid, float pad, int64_t base, int64_t gs,
@@ -290,10 +282,10 @@ static inline void pack_span(const float *p, int64_t valid, float pad, int64_t b
         const uint16_t *u16 = noise.half;
         if (z) /* a constant zk in each loop: the other has no zero test */
             for (int64_t j = 0; j < real; j++)
-                q[j] = code_in_range(pc[j], (float)u16[j] * NOISE_UNIT, l, iv, tp, 1);
+                q[j] = code_of(pc[j], (float)u16[j] * NOISE_UNIT, l, iv, tp, 1);
         else
             for (int64_t j = 0; j < real; j++)
-                q[j] = code_in_range(pc[j], (float)u16[j] * NOISE_UNIT, l, iv, tp, 0);
+                q[j] = code_of(pc[j], (float)u16[j] * NOISE_UNIT, l, iv, tp, 0);
         for (int64_t j = real; j < len; j++)
             q[j] = code_of(pad, (float)u16[j] * NOISE_UNIT, l, iv, tp, z);
         uint8_t *out = gout + c0 * bits / 8;
@@ -449,12 +441,10 @@ static inline float meta_value(const void *p, int64_t g, int bf16) {
 
 /* Whether some group's lo + levels * |scale| overflows float32 (decode_params then
  * switches the whole tensor to float64, which the callers leave to the reference). */
-static int meta_wide(const void *lo, const void *scale, int bf16, int64_t groups, int bits,
-                     int nthreads) {
+static int meta_wide(const void *lo, const void *scale, int bf16, int64_t groups, int bits) {
     float levels = (float)((1 << bits) - 1);
     int wide = 0;
-#pragma omp parallel for schedule(static) num_threads(THREADS(groups * 64)) reduction(| : wide)
-    for (int64_t g = 0; g < groups; g++) {
+    for (int64_t g = 0; g < groups; g++) { /* G values: one thread, no team to wake */
         float top = meta_value(lo, g, bf16) + levels * fabsf(meta_value(scale, g, bf16));
         wide |= !(fabsf(top) <= 3.4028234663852886e38f);
     }
@@ -469,7 +459,7 @@ static int meta_wide(const void *lo, const void *scale, int bf16, int64_t groups
 int acgc_quant_unpack(const uint8_t *codes, int64_t n, int64_t gs, int bits, const void *lo,
                       const void *scale, int bf16, float *out, int nthreads) {
     int64_t groups = (n + gs - 1) / gs;
-    if (meta_wide(lo, scale, bf16, groups, bits, nthreads)) return 1;
+    if (meta_wide(lo, scale, bf16, groups, bits)) return 1;
 #pragma omp parallel for schedule(static) num_threads(THREADS(n))
     for (int64_t g = 0; g < groups; g++) {
         int64_t len = (g + 1) * gs <= n ? gs : n - g * gs;
@@ -1138,7 +1128,7 @@ int acgc_division_decode(const uint8_t *codes, int64_t planes, int64_t h, int64_
                          const float *lo, const float *scale, float fmax, const uint8_t *zmask,
                          float min_pos, float *out, int nthreads) {
     int64_t n = planes * h * w, groups = (n + gs - 1) / gs;
-    if (meta_wide(lo, scale, 0, groups, bits, nthreads)) return 1;
+    if (meta_wide(lo, scale, 0, groups, bits)) return 1;
 #pragma omp parallel for schedule(static) num_threads(THREADS(n))
     for (int64_t g = 0; g < groups; g++) {
         int64_t i0 = g * gs, len = n - i0 < gs ? n - i0 : gs;
