@@ -15,8 +15,8 @@ pytest.importorskip("triton")
 _SCRIPTS = {
     "quant": """
 enc = dict(x_ptr="*bf16", noise_ptr="*fp32", codes_ptr="*u8", lo_ptr="*fp32",
-           scale_ptr="*fp32", status_ptr="*u8", numel="i32", n_groups="i32", seed="i64")
-dec = dict(codes_ptr="*u8", lo_ptr="*fp32", scale_ptr="*fp32", f64_ptr="*u8",
+           scale_ptr="*fp32", status_ptr="*i32", numel="i32", n_groups="i32", seed="i64")
+dec = dict(codes_ptr="*u8", lo_ptr="*fp32", scale_ptr="*fp32", f64_ptr="*i32",
            out_ptr="*fp64", numel="i32", n_groups="i32")
 for bits, noise in ((1, False), (2, True), (8, False)):
     compile_for_cuda(m._quant_encode_kernel, enc, dict(
@@ -25,6 +25,8 @@ for bits, noise in ((1, False), (2, True), (8, False)):
 for kind, ptr in ((2, "*i16"), (3, "*fp64")):
     compile_for_cuda(m._quant_decode_kernel, {**dec, "out_ptr": ptr}, dict(
         GROUP=64, GROUP_P2=64, BITS=4, GPP=32, IDX64=True, OUT_KIND=kind))
+compile_for_cuda(m._quant_wide_kernel, dict(lo_ptr="*fp32", scale_ptr="*fp32",
+                 flag_ptr="*i32", n_groups="i32"), dict(LEVELS=15, BLOCK=2048, INTERPRET=False))
 """,
     "mask": """
 compile_for_cuda(m._mask_pack_kernel, dict(mask_ptr="*u8", packed_ptr="*u8", numel="i32",

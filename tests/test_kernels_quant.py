@@ -178,6 +178,45 @@ def test_float64_cases_match_reference(case: str, bits: int) -> None:
         )
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+@pytest.mark.parametrize("backend", ["triton", "cpu", "torch"])
+def test_reject_inf_steps(backend: str) -> None:
+    """A 1-bit step over a range beyond float32 is stored as inf: with reject_inf_steps
+    the encode says so with None (the Triton and CPU paths check only their reference
+    fallback), and the codec keeps such a tensor raw; 2 bits over the range still fit."""
+    x = torch.randn(1000) * 1e37
+    x[7], x[8] = 3e38, -3e38
+    kept = quant_encode(x, 1, 64, 1, backend=backend)
+    assert not bool(torch.isfinite(kept["scale"]).all())
+    assert quant_encode(x, 1, 64, 1, backend=backend, reject_inf_steps=True) is None
+    two = quant_encode(x, 2, 64, 1, backend=backend, reject_inf_steps=True)
+    assert two is not None and bool(torch.isfinite(two["scale"]).all())
+    codec = QuantCodec(QuantWidthConfig(bits=1, group_size=64))
+    codec.backend = backend
+    packed = codec.encode(x, seed=1)
+    assert packed.codec == "identity" and torch.equal(codec.decode(packed), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_into_a_slice(dtype: torch.dtype) -> None:
+    """``out``: the kernel writes the slice in place (no new tensor), NaN/inf restored
+    there, the values around it untouched; a wrong ``out`` is refused."""
+    x = _activations((30, 70), dtype)
+    x[5] = float("nan")
+    payload = quant_encode_triton(x.view(-1), 4, 64, seed=2)
+    want = quant_decode_ref(payload, 4, 64, x.numel(), dtype)
+    buf = torch.full((x.numel() + 40,), 7.0, dtype=dtype)
+    out = buf[24 : 24 + x.numel()]
+    got = quant_decode(payload, 4, 64, x.numel(), dtype, backend="triton", out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert_same(out, want)
+    assert bool((buf[:24] == 7).all()) and bool((buf[24 + x.numel() :] == 7).all())
+    with pytest.raises(ValueError, match="out must be a flat"):
+        quant_decode_triton(payload, 4, 64, x.numel(), dtype, out=buf[: x.numel() - 1])
+    with pytest.raises(ValueError, match="out must be a flat"):
+        quant_decode_triton(payload, 4, 64, x.numel(), torch.float16, out=out)
+
+
 def _step(payload: dict[str, torch.Tensor], group_size: int, numel: int) -> torch.Tensor:
     return payload["scale"].abs().repeat_interleave(group_size)[:numel]
 
@@ -324,7 +363,8 @@ try:
     torch.compile(codec, backend=backend, fullgraph=True)(torch.randn(1000))
 except NotRun:
     pass
-assert graphs[0].count("triton_kernel_wrapper_functional(") == 3, graphs[0]
+# encode 1, decode 2 (its float64 switch, then the decode), mask 1
+assert graphs[0].count("triton_kernel_wrapper_functional(") == 4, graphs[0]
 """
 
 

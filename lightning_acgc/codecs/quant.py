@@ -89,9 +89,10 @@ class QuantCodec:
             return raw_packed(x)
         bits, group_size = self.config.bits, self.config.group_size
         payload = qk.quant_encode(
-            x, bits, group_size, seed, backend=self.backend, meta=self.config.meta
-        )
-        if not bool(torch.isfinite(payload["scale"]).all()):  # step beyond float32
+            x, bits, group_size, seed, backend=self.backend, meta=self.config.meta,
+            reject_inf_steps=True,
+        )  # fmt: skip
+        if payload is None:  # a step beyond float32
             return raw_packed(x)
         meta = {"bits": bits, "group_size": group_size, "seed": seed}
         return Packed(self.name, x.shape, x.dtype, payload, meta)

@@ -54,9 +54,14 @@ def quant_encode(
     seed: int,
     backend: str = "auto",
     meta: str = "fp32",
-) -> dict[str, torch.Tensor]:
+    reject_inf_steps: bool = False,
+) -> dict[str, torch.Tensor] | None:
     """Encode a non-empty floating tensor, its metadata in :func:`stored_meta`'s format
     (``backend="torch"`` keeps ``meta`` as asked on every device).
+
+    ``reject_inf_steps``: return ``None`` instead of a payload holding a step beyond the
+    metadata's float format (stored as inf); the Triton and compiled CPU paths check only
+    their rare reference fallback, the one place such a step comes from (no host sync).
 
     Example:
         >>> x = torch.arange(8.0)
@@ -73,9 +78,14 @@ def quant_encode(
     if meta != "fp32" and x.device.type != "cpu":
         backend = "torch"
     fn = route(x, backend, quant_encode_ref, f"{_TRITON}:quant_encode_triton", quant_encode_cpu)
-    if fn is quant_encode_ref or fn is quant_encode_cpu:
-        return fn(x, bits, group_size, seed, meta=meta)
-    return fn(x.contiguous(), bits, group_size, seed)
+    if fn is quant_encode_cpu:
+        return fn(x, bits, group_size, seed, meta=meta, reject_inf_steps=reject_inf_steps)
+    if fn is quant_encode_ref:
+        payload = fn(x, bits, group_size, seed, meta=meta)
+        if reject_inf_steps and not bool(torch.isfinite(payload["scale"]).all()):
+            return None
+        return payload
+    return fn(x.contiguous(), bits, group_size, seed, reject_inf_steps=reject_inf_steps)
 
 
 def quant_decode(
@@ -90,7 +100,8 @@ def quant_decode(
     """Flat tensor of ``numel`` decoded values in ``dtype`` (any path's payload).
 
     ``out``: a contiguous flat tensor of ``numel`` values in ``dtype`` to decode into (the
-    compiled CPU path writes it directly; the others copy their result); returned.
+    Triton kernel and the compiled CPU path write it directly; the reference copies its
+    result); returned.
 
     Example:
         >>> x = torch.arange(16.0)
@@ -107,6 +118,9 @@ def quant_decode(
     if out is not None and out.dtype != dtype:
         raise ValueError(f"out has dtype {out.dtype}, the decode gives {dtype}")
     if out is not None and fn is quant_decode_cpu and dtype == torch.float32:
+        return fn(payload, bits, group_size, numel, dtype, out=out)
+    triton_path = fn is not quant_decode_ref and fn is not quant_decode_cpu
+    if out is not None and triton_path and out.is_contiguous():
         return fn(payload, bits, group_size, numel, dtype, out=out)
     flat = fn(payload, bits, group_size, numel, dtype)
     return flat if out is None else out.copy_(flat)

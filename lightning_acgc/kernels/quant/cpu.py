@@ -25,9 +25,16 @@ __all__ = ["quant_decode_cpu", "quant_encode_cpu", "sr_variance_sums_cpu"]
 
 
 def quant_encode_cpu(
-    x: torch.Tensor, bits: int, group_size: int, seed: int, meta: str = "fp32"
-) -> dict[str, torch.Tensor]:
-    """Encode a non-empty CPU floating tensor; same payload as ``quant_encode_ref``."""
+    x: torch.Tensor,
+    bits: int,
+    group_size: int,
+    seed: int,
+    meta: str = "fp32",
+    reject_inf_steps: bool = False,
+) -> dict[str, torch.Tensor] | None:
+    """Encode a non-empty CPU floating tensor; same payload as ``quant_encode_ref``.
+    ``reject_inf_steps``: None instead of a payload with a step beyond float32 (only the
+    reference fallback can write one: the compiled pass keeps every step finite)."""
     lib = cpu_library()
     xf = x.reshape(-1).to(torch.float32).contiguous()
     n = xf.numel()
@@ -43,7 +50,10 @@ def quant_encode_cpu(
         if status != 1:  # 1: some group cannot hold bf16 metadata; all groups go to fp32
             break
     if status == 2:  # NaN/inf, or a range or inverse beyond float32: the reference
-        return quant_encode_ref(x, bits, group_size, seed, meta=meta)
+        payload = quant_encode_ref(x, bits, group_size, seed, meta=meta)
+        if reject_inf_steps and not bool(torch.isfinite(payload["scale"]).all()):
+            return None
+        return payload
     stored = torch.bfloat16 if meta == "bf16" and bf16 else torch.float32
     return {
         "codes": codes,

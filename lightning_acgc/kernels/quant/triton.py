@@ -35,6 +35,7 @@ from lightning_acgc.kernels.common.groups import group_view
 from lightning_acgc.kernels.common.nonfinite import fill_nonfinite_rows, restore_exceptions
 from lightning_acgc.kernels.common.triton_utils import (
     LAUNCH_OPTIONS,
+    block_elems,
     check_contiguous,
     check_device,
     check_dtype,
@@ -42,6 +43,7 @@ from lightning_acgc.kernels.common.triton_utils import (
     interpreting,
     next_power_of_2,
     philox_seed,
+    plain_launches,
     rows_per_program,
 )
 from lightning_acgc.kernels.quant.reference import quant_encode_ref
@@ -50,6 +52,7 @@ from lightning_acgc.kernels.quant.triton_jit import (
     _NONFINITE,
     _quant_decode_kernel,
     _quant_encode_kernel,
+    _quant_wide_kernel,
 )
 
 __all__ = ["quant_decode_triton", "quant_encode_triton"]
@@ -84,7 +87,7 @@ def _quant_encode_core(
     codes = torch.empty(n_groups * group_size * bits // 8, dtype=torch.uint8, device=x.device)
     lo = torch.empty(n_groups, dtype=torch.float32, device=x.device)
     scale = torch.empty_like(lo)
-    status = torch.empty(n_groups, dtype=torch.uint8, device=x.device)
+    status = torch.zeros(1, dtype=torch.int32, device=x.device)
     wrap_triton(_quant_encode_kernel)[(triton.cdiv(n_groups, gpp),)](
         x,
         noise if noise is not None else lo,
@@ -119,14 +122,32 @@ def _quant_decode_core(
 ) -> torch.Tensor:
     """One launch of the decode kernel (no exceptions restored); the caller checked the
     arguments. A ``torch.library`` op so that ``torch.compile`` can trace it."""
-    n_groups = lo.numel()
-    levels = float(2**bits - 1)
+    out = torch.empty(numel, dtype=dtype, device=lo.device)
+    _decode_into(codes, lo, scale, bits, group_size, out)
+    return out
+
+
+def _decode_into(
+    codes: torch.Tensor,
+    lo: torch.Tensor,
+    scale: torch.Tensor,
+    bits: int,
+    group_size: int,
+    out: torch.Tensor,
+) -> None:
+    """Launch the decode into the flat contiguous ``out`` (its dtype one of
+    ``_OUT_DTYPES``): two small launches and the decode itself, no host sync."""
+    n_groups, numel, dtype = lo.numel(), out.numel(), out.dtype
     # The reference decodes the whole tensor in float64 when any lo + levels * step
-    # overflows float32; this flag stays on the device (no host sync).
-    use_f64 = (~torch.isfinite(lo + levels * scale.abs())).any().view(1).to(torch.uint8)
+    # overflows float32; this flag stays on the device.
+    use_f64 = torch.zeros(1, dtype=torch.int32, device=lo.device)
+    block = min(block_elems(), next_power_of_2(n_groups))
+    wrap_triton(_quant_wide_kernel)[(triton.cdiv(n_groups, block),)](
+        lo, scale, use_f64, n_groups,
+        LEVELS=2**bits - 1, BLOCK=block, INTERPRET=interpreting(), **LAUNCH_OPTIONS,
+    )  # fmt: skip
     group_p2 = next_power_of_2(group_size)
     gpp = rows_per_program(group_p2, n_groups)
-    out = torch.empty(numel, dtype=dtype, device=lo.device)
     wrap_triton(_quant_decode_kernel)[(triton.cdiv(n_groups, gpp),)](
         codes,
         lo,
@@ -143,7 +164,6 @@ def _quant_decode_core(
         OUT_KIND=_OUT_DTYPES.index(dtype),
         **LAUNCH_OPTIONS,
     )
-    return out
 
 
 def quant_encode_triton(
@@ -152,7 +172,8 @@ def quant_encode_triton(
     group_size: int,
     seed: int,
     noise: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
+    reject_inf_steps: bool = False,
+) -> dict[str, torch.Tensor] | None:
     """Encode ``x`` in the format of
     :func:`~lightning_acgc.kernels.quant.reference.quant_encode_ref`.
 
@@ -164,6 +185,9 @@ def quant_encode_triton(
         seed: Philox seed of the stochastic rounding.
         noise: optional float32 ``(G, group_size)`` U[0, 1) noise used instead of the
             Philox draw; with it the payload equals ``quant_encode_ref(..., noise=noise)``.
+        reject_inf_steps: return ``None`` instead of a payload with a step beyond
+            float32 (stored as inf). Only the rare float64 fallback can write one, so this
+            costs no extra host sync.
 
     Returns:
         The payload dict: ``codes``, ``lo``, ``scale``, ``exc_idx``, ``exc_val``.
@@ -193,7 +217,7 @@ def quant_encode_triton(
     codes, lo, scale, status = _quant_encode_core(x, noise, bits, group_size, seed)
     exc_idx = torch.empty(0, dtype=torch.int64, device=x.device)
     exc_val = torch.empty(0, dtype=x.dtype, device=x.device)
-    worst = int(status.max())  # the one host sync: the payload's shape depends on it
+    worst = int(status)  # the one host sync: the payload's shape depends on it
     if worst == _NONFINITE:
         # Exceptions and fill values exactly as the reference computes them; then the
         # kernel quantizes the filled (already padded) groups.
@@ -201,12 +225,15 @@ def quant_encode_triton(
         keep = exc_idx < x.numel()  # padding copies of a non-finite last value
         exc_idx, exc_val = exc_idx[keep], exc_val[keep].to(x.dtype)
         codes, lo, scale, status = _quant_encode_core(xg.reshape(-1), noise, bits, group_size, seed)
-        worst = int(status.max())
+        worst = int(status)
     if worst == _FLOAT64:
         # A group's range exceeds float32, or its step is subnormal (1 / step overflows):
         # the reference switches the whole tensor to float64, so let it encode this (rare)
         # tensor. Its codes then come from torch's generator unless noise was injected.
-        return quant_encode_ref(x, bits, group_size, seed, noise=noise)
+        payload = quant_encode_ref(x, bits, group_size, seed, noise=noise)
+        if reject_inf_steps and not bool(torch.isfinite(payload["scale"]).all()):
+            return None
+        return payload
     return {"codes": codes, "lo": lo, "scale": scale, "exc_idx": exc_idx, "exc_val": exc_val}
 
 
@@ -216,6 +243,7 @@ def quant_decode_triton(
     group_size: int,
     numel: int,
     dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode a ``quant`` payload (from either path) into a flat tensor of ``numel`` values.
 
@@ -225,9 +253,12 @@ def quant_decode_triton(
         group_size: values per group, a positive multiple of 8.
         numel: values to decode (the original tensor's ``numel``).
         dtype: output dtype (float32, float16, bfloat16 or float64).
+        out: a contiguous flat tensor of ``numel`` values in ``dtype`` on the payload's
+            device, written in place and returned (no new tensor, no copy).
 
     Returns:
-        A new flat tensor equal to ``quant_decode_ref`` with the same arguments.
+        A flat tensor equal to ``quant_decode_ref`` with the same arguments (``out`` if
+        given, else a new one).
 
     Raises:
         RuntimeError: Triton cannot run on the payload's device.
@@ -255,5 +286,18 @@ def quant_decode_triton(
         )
     if not (n_groups - 1) * group_size < numel <= n_groups * group_size:
         raise ValueError(f"numel={numel} does not match {n_groups} groups of {group_size}")
-    out = _quant_decode_core(codes, lo, scale, bits, group_size, numel, dtype)
+    if out is None:
+        out = _quant_decode_core(codes, lo, scale, bits, group_size, numel, dtype)
+    else:
+        if out.dtype != dtype or out.shape != (numel,) or out.device != lo.device:
+            raise ValueError(
+                f"out must be a flat {dtype} tensor of {numel} values on {lo.device}, got "
+                f"{out.dtype} {tuple(out.shape)} on {out.device}"
+            )
+        check_contiguous(out, "out")
+        if torch.compiler.is_compiling():  # the traced op allocates its own output
+            out.copy_(_quant_decode_core(codes, lo, scale, bits, group_size, numel, dtype))
+        else:
+            with plain_launches():
+                _decode_into(codes, lo, scale, bits, group_size, out)
     return restore_exceptions(out, payload["exc_idx"], payload["exc_val"])

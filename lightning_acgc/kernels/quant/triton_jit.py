@@ -26,7 +26,8 @@ def _quant_encode_kernel(
     codes_ptr,  # *u8 [n_groups * GROUP * BITS // 8] bit stream of the codes (out)
     lo_ptr,  # *fp32 [n_groups] value of code 0, of code 1 in zero-kept groups (out)
     scale_ptr,  # *fp32 [n_groups] step between codes, sign bit set if zero-kept (out)
-    status_ptr,  # *u8 [n_groups] 0 ok, 1 needs float64 (see below), 2 NaN/inf inside (out)
+    status_ptr,  # *i32 [1], zeroed: raised to the worst group's status (0 ok, 1 needs
+    #   float64, see below, 2 NaN/inf inside), one atomic per program (out)
     numel,  # elements of x; the tail group is padded with x[numel - 1]
     n_groups,  # cdiv(numel, GROUP)
     seed,  # Philox seed (non-negative, < 2**63)
@@ -46,8 +47,12 @@ def _quant_encode_kernel(
     row_ok = rows < n_groups
     ok = row_ok[:, None] & (cols < GROUP)[None, :]
     idx = rows[:, None] * GROUP + cols[None, :]
-    # Padding past numel repeats the last element, as the reference's group_view does.
-    x = tl.load(x_ptr + tl.minimum(idx, numel - 1), mask=ok, other=0.0).to(tl.float32)
+    # Padding past numel repeats the last element, as the reference's group_view does
+    # (a select after the load: clamping the address would hide its contiguity from the
+    # compiler, which then loads element by element instead of in vectors).
+    inside = idx < numel
+    x = tl.load(x_ptr + idx, mask=ok & inside, other=0.0).to(tl.float32)
+    x = tl.where(inside, x, tl.load(x_ptr + numel - 1).to(tl.float32))
 
     # NaN/inf: flag the group (the launcher redoes it) and compute on zeros meanwhile.
     bad = (x != x) | (tl.abs(x) == float("inf"))
@@ -122,9 +127,9 @@ def _quant_encode_kernel(
     sign = zk.to(tl.int32) << 31
     scale = (step.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     tl.store(scale_ptr + rows, scale, mask=row_ok)
-    n_bad = tl.sum(bad.to(tl.int32), axis=1)
-    status = tl.where(n_bad > 0, 2, tl.where(wide, 1, 0))
-    tl.store(status_ptr + rows, status.to(tl.uint8), mask=row_ok)
+    n_bad = tl.sum((bad & ok).to(tl.int32), axis=1)
+    status = tl.where(n_bad > 0, 2, tl.where(wide & row_ok, 1, 0))
+    tl.atomic_max(status_ptr, tl.max(status, axis=0))
 
 
 @triton.jit
@@ -132,7 +137,7 @@ def _quant_decode_kernel(
     codes_ptr,  # *u8 [n_groups * GROUP * BITS // 8] packed codes
     lo_ptr,  # *fp32 [n_groups]
     scale_ptr,  # *fp32 [n_groups], sign bit marks zero-kept groups
-    f64_ptr,  # *u8 [] nonzero: compute in float64 (some lo + levels * step overflows)
+    f64_ptr,  # *i32 [1] nonzero: compute in float64 (some lo + levels * step overflows)
     out_ptr,  # *fp32|fp16|int16 (bfloat16 bits)|fp64 [numel] decoded values (out)
     numel,  # values to write
     n_groups,  # groups in the payload
@@ -202,3 +207,25 @@ def _quant_decode_kernel(
         v = tl.fma(qf.to(tl.float32), step[:, None, None], lo[:, None, None])
         v = tl.where(exact_zero, 0.0, v)
         tl.store(out_ptr + idx, store_narrow(v, OUT_KIND), mask=ok)
+
+
+@triton.jit
+def _quant_wide_kernel(
+    lo_ptr,  # *fp32 [n_groups]
+    scale_ptr,  # *fp32 [n_groups], sign bit marks zero-kept groups
+    flag_ptr,  # *i32 [1], zeroed: set to 1 if some lo + LEVELS * |step| overflows (out)
+    n_groups,
+    LEVELS: tl.constexpr,  # 2**bits - 1
+    BLOCK: tl.constexpr,  # groups per program, a power of two
+    INTERPRET: tl.constexpr,  # running on the CPU interpreter
+):
+    """The decode's float64 switch, as the reference decides it: whether any group's top
+    value ``lo + LEVELS * |step|`` (a float32 product, then a float32 sum: never one
+    FMA) is not finite."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n_groups
+    lo = tl.load(lo_ptr + offs, mask=ok, other=0.0)
+    step = tl.abs(tl.load(scale_ptr + offs, mask=ok, other=0.0))
+    top = lo + mul_rn(step, tl.full(step.shape, LEVELS * 1.0, tl.float32), INTERPRET)
+    bad = ok & ((top != top) | (tl.abs(top) == float("inf")))
+    tl.atomic_max(flag_ptr, tl.max(bad.to(tl.int32), axis=0))
