@@ -120,7 +120,7 @@ def test_codec_failure_mid_forward(monkeypatch: pytest.MonkeyPatch) -> None:
     model = FaultyMLP()
     cb = ActivationCompression(codec="quant", bits=4, min_numel=0, print_table=False, strict=True)
     trainer = Trainer(callbacks=[cb], **trainer_kwargs(max_steps=STEPS, max_epochs=-1))
-    encode = QuantCodec.encode
+    encode = QuantCodec.encode_deferred  # what the engine calls
     calls = {"n": 0}
 
     def failing(self: QuantCodec, x: torch.Tensor, seed: int):  # type: ignore[no-untyped-def]
@@ -129,10 +129,10 @@ def test_codec_failure_mid_forward(monkeypatch: pytest.MonkeyPatch) -> None:
             raise RuntimeError("boom in encode")
         return encode(self, x, seed)
 
-    monkeypatch.setattr(QuantCodec, "encode", failing)
+    monkeypatch.setattr(QuantCodec, "encode_deferred", failing)
     with pytest.raises(RuntimeError, match="boom in encode"):
         trainer.fit(model)
     assert trainer.global_step == FAULT_STEP
     _assert_clean(model, cb)
-    monkeypatch.setattr(QuantCodec, "encode", encode)
+    monkeypatch.setattr(QuantCodec, "encode_deferred", encode)
     _refit(trainer, model, cb)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from lightning_acgc.codecs.deferred import DeferredCheck
 
 __all__ = ["Codec", "Packed", "span_nbytes", "storage_nbytes"]
 
@@ -38,6 +41,8 @@ class Packed:
         dtype: dtype of the original tensor.
         payload: every tensor the codec keeps; their storages are the bytes kept.
         meta: small Python values (seed, bits, bound) needed to decode.
+        check: the device's verdict on a payload written before it was known (see
+            :mod:`lightning_acgc.codecs.deferred`); ``None`` once settled or if none.
     """
 
     codec: str
@@ -45,6 +50,16 @@ class Packed:
     dtype: torch.dtype
     payload: dict[str, torch.Tensor]
     meta: dict[str, Any] = field(default_factory=dict)
+    check: DeferredCheck | None = field(default=None, repr=False, compare=False)
+
+    def settle(self) -> None:
+        """Apply a deferred check: wait for the verdict and, where it failed, take the
+        form encoded again on the checked path (another codec name, payload, meta)."""
+        check, self.check = self.check, None
+        if check is not None:
+            again = check.replacement()
+            if again is not None:
+                self.codec, self.payload, self.meta = again.codec, again.payload, again.meta
 
     @property
     def nbytes(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,7 @@ from lightning_acgc.codecs._checks import (
     check_group_size,
 )
 from lightning_acgc.codecs.base import Packed
+from lightning_acgc.codecs.deferred import DeferredCheck
 from lightning_acgc.codecs.identity import raw_packed
 from lightning_acgc.codecs.registry import register_codec
 from lightning_acgc.kernels import quant as qk
@@ -83,21 +85,53 @@ class QuantCodec:
         self.config = config
 
     def encode(self, x: torch.Tensor, seed: int) -> Packed | None:
+        return self._encode(x, seed, defer=False)
+
+    def encode_deferred(self, x: torch.Tensor, seed: int) -> Packed | None:
+        """:meth:`encode` without waiting for the device on the Triton path: the payload
+        comes with a :class:`~lightning_acgc.codecs.deferred.DeferredCheck` (settled
+        by ``packed.settle()``, by every decode at the latest), which keeps ``x`` until
+        the verdict is in."""
+        return self._encode(x, seed, defer=True)
+
+    def _encode(self, x: torch.Tensor, seed: int, defer: bool) -> Packed | None:
         if not x.is_floating_point() or x.dtype == torch.float64:
             return None
         if x.numel() == 0:
             return raw_packed(x)
-        bits, group_size = self.config.bits, self.config.group_size
-        payload = qk.quant_encode(
-            x, bits, group_size, seed, backend=self.backend, meta=self.config.meta,
-            reject_inf_steps=True,
-        )  # fmt: skip
+        payload, status = self.payload_of(x, seed, defer)
         if payload is None:  # a step beyond float32
             return raw_packed(x)
-        meta = {"bits": bits, "group_size": group_size, "seed": seed}
-        return Packed(self.name, x.shape, x.dtype, payload, meta)
+        check = None if status is None else DeferredCheck([status], x, self._redo(seed))
+        return Packed(self.name, x.shape, x.dtype, payload, self.meta_of(seed), check=check)
+
+    def _redo(self, seed: int) -> Callable[[torch.Tensor], Packed | None]:
+        return lambda x: self._encode(x, seed, defer=False)
+
+    def meta_of(self, seed: int) -> dict[str, int]:
+        """The ``meta`` of a payload encoded with ``seed``."""
+        return {"bits": self.config.bits, "group_size": self.config.group_size, "seed": seed}
+
+    def payload_of(
+        self, x: torch.Tensor, seed: int, defer: bool
+    ) -> tuple[dict[str, torch.Tensor] | None, torch.Tensor | None]:
+        """``(payload, status)`` of a non-empty floating ``x``: the payload ``None``
+        where a step overflows float32; ``status`` the device's verdict on a deferred
+        (Triton) payload, valid where it is 0, else ``None`` (checked already)."""
+        bits, group_size, meta = self.config.bits, self.config.group_size, self.config.meta
+        if defer:
+            found = qk.quant_encode_deferred(
+                x, bits, group_size, seed, backend=self.backend, meta=meta
+            )
+            if found is not None:
+                return found
+        payload = qk.quant_encode(
+            x, bits, group_size, seed, backend=self.backend, meta=meta, reject_inf_steps=True
+        )
+        return payload, None
 
     def decode(self, packed: Packed) -> torch.Tensor:
+        packed.settle()
         if packed.codec == "identity":  # empty tensors are kept raw
             return packed.payload["raw"]
         m = packed.meta

@@ -20,6 +20,7 @@ import torch
 
 from lightning_acgc.codecs._checks import check_choice, check_group_size
 from lightning_acgc.codecs.base import Packed
+from lightning_acgc.codecs.deferred import DeferredCheck
 from lightning_acgc.codecs.identity import raw_packed
 from lightning_acgc.codecs.quant import QuantCodec, QuantWidthConfig
 from lightning_acgc.codecs.registry import register_codec
@@ -106,6 +107,15 @@ class SplitCodec:
         return codec
 
     def encode(self, x: torch.Tensor, seed: int) -> Packed | None:
+        return self._encode(x, seed, defer=False)
+
+    def encode_deferred(self, x: torch.Tensor, seed: int) -> Packed | None:
+        """:meth:`encode` without waiting for the device on the Triton path: one
+        :class:`~lightning_acgc.codecs.deferred.DeferredCheck` for both parts (see
+        :meth:`QuantCodec.encode_deferred`)."""
+        return self._encode(x, seed, defer=True)
+
+    def _encode(self, x: torch.Tensor, seed: int, defer: bool) -> Packed | None:
         if not x.is_floating_point() or x.dtype == torch.float64:
             return None
         if x.numel() == 0:
@@ -119,17 +129,25 @@ class SplitCodec:
         }
         payload: dict[str, torch.Tensor] = {}
         meta: dict = {"split": k, "bits": c.bits, "low_share": c.low_share}
+        flags = []  # the device's verdicts on deferred parts
         for name, (bits, part, part_seed) in parts.items():
             if part.numel() == 0:
                 continue
-            packed = self._part(bits).encode(part, part_seed)
-            if packed is None or packed.codec != "quant":  # a step beyond float32
+            codec = self._part(bits)
+            part_payload, status = codec.payload_of(part, part_seed, defer)
+            if part_payload is None:  # a step beyond float32
                 return raw_packed(x)
-            payload.update({f"{name}.{k_}": t for k_, t in packed.payload.items()})
-            meta[name] = packed.meta
-        return Packed(self.name, x.shape, x.dtype, payload, meta)
+            payload.update({f"{name}.{k_}": t for k_, t in part_payload.items()})
+            meta[name] = codec.meta_of(part_seed)
+            if status is not None:
+                flags.append(status)
+        check = None
+        if flags:
+            check = DeferredCheck(flags, x, lambda source: self._encode(source, seed, False))
+        return Packed(self.name, x.shape, x.dtype, payload, meta, check=check)
 
     def decode(self, packed: Packed) -> torch.Tensor:
+        packed.settle()
         if packed.codec == "identity":
             return packed.payload["raw"]
         k, total = packed.meta["split"], packed.shape.numel()

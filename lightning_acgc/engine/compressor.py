@@ -17,11 +17,13 @@ from lightning_acgc.codecs.base import Codec, Packed
 from lightning_acgc.codecs.intpack import IntPackCodec, IntPackConfig
 from lightning_acgc.codecs.mask import MaskCodec, MaskConfig
 from lightning_acgc.engine import sites
-from lightning_acgc.engine.coalesce import Chunk, Coalescer, Member
-from lightning_acgc.engine.layout import Layout, compact, restore
+from lightning_acgc.engine.checks import PendingChecks
+from lightning_acgc.engine.coalesce import Coalescer
+from lightning_acgc.engine.layout import compact
 from lightning_acgc.engine.ledger import Ledger, storage_ref
 from lightning_acgc.engine.meter import CompressionStats, SiteRecord
 from lightning_acgc.engine.policy import Policy
+from lightning_acgc.engine.saved import Saved
 from lightning_acgc.engine.settings import EngineSettings
 from lightning_acgc.engine.sites import ModuleTracker, SiteInfo, is_leaf_parameter
 
@@ -46,69 +48,6 @@ def _mix(*values: int) -> int:
         h = (h ^ (h >> 31)) * 0x94D049BB133111EB & _MASK64
         h ^= h >> 29
     return h & 0x7FFF_FFFF_FFFF_FFFF
-
-
-class _Saved:
-    """What autograd holds instead of a saved tensor: its packed form, or the tensor
-    itself (``raw``, detached: returning a saved output with its ``grad_fn`` would make
-    a reference cycle through autograd's C++ graph that no garbage collection frees).
-    The ledger charges it when made and releases it when autograd drops it.
-
-    A tensor saved by several ops (a ReLU output that is also the next conv's input) is
-    packed once and handed out ``pending`` times; backward decodes it once and keeps the
-    decoded tensor until the last of those unpacks (or until the graph is freed, if some
-    op never unpacks it). The decoded tensor has the sizes and strides that autograd saved
-    (``layout``; see :mod:`lightning_acgc.engine.layout`).
-    """
-
-    __slots__ = (
-        "__weakref__",
-        "chunk",
-        "codec",
-        "decoded",
-        "layout",
-        "member",
-        "name",
-        "packed",
-        "pending",
-        "raw",
-        "site",
-    )
-
-    def __init__(
-        self,
-        packed: Packed | None,
-        codec: Codec | None,
-        site: str,
-        name: str,
-        raw: torch.Tensor | None = None,
-        layout: Layout | None = None,
-    ) -> None:
-        self.packed = packed
-        self.codec = codec
-        self.raw: torch.Tensor | None = raw
-        self.name = name
-        self.site = site
-        self.layout = layout
-        self.pending = 1
-        self.decoded: torch.Tensor | None = None
-        self.chunk: Chunk | None = None  # a small tensor encoded with others
-        self.member: Member | None = None
-
-    def unpack(self) -> torch.Tensor:
-        if self.raw is not None:
-            return self.raw
-        if self.chunk is not None:
-            m = self.member
-            assert m is not None
-            return restore(self.chunk.take(m.offset, m.numel).view(m.shape), self.layout)
-        assert self.codec is not None and self.packed is not None
-        out = self.decoded
-        if out is None:
-            out = restore(self.codec.decode(self.packed), self.layout)
-        self.pending -= 1
-        self.decoded = out if self.pending > 0 else None
-        return out
 
 
 class ActivationCompressor:
@@ -169,6 +108,7 @@ class ActivationCompressor:
         self._ledger = Ledger(self.stats, self._check_budget)
         # small float tensors, encoded in chunks
         self._small = Coalescer(self._ledger, self.stats, self._codec_failed, self.packed_log)
+        self._checks = PendingChecks(self._recharge)  # encodes whose device check is out
         self._dedup: dict[tuple, tuple[Any, weakref.ReferenceType]] = {}
         self._site_hash: dict[str, int] = {}
         self._warned: set[str] = set()
@@ -189,6 +129,7 @@ class ActivationCompressor:
     def remove(self) -> None:
         """Remove every hook this object registered and forget per-step state."""
         self.tracker.remove()
+        self._checks.settle_all()
         self._small.close("engine removed")
         self._dedup.clear()
         self._ledger.new_step()
@@ -206,6 +147,7 @@ class ActivationCompressor:
         if self.stats.live_bytes and self.memory_budget is not None:
             gc.collect()
         self.step = self.step + 1 if step is None else step
+        self._checks.settle_all()
         self.stats.reset()
         self.tracker.new_step()
         self._small.close("step ended")
@@ -287,11 +229,11 @@ class ActivationCompressor:
 
     def _join(
         self, site: SiteInfo, t: torch.Tensor, key: tuple, ref: Any, raw: int, codec: Codec
-    ) -> _Saved:
+    ) -> Saved:
         """Hold the small tensor ``t`` raw until its chunk is encoded with others."""
         detached = t.detach()
         part, layout = compact(detached)
-        saved = _Saved(None, None, site.key, codec.name, raw=detached, layout=layout)
+        saved = Saved(None, None, site.key, codec.name, raw=detached, layout=layout)
         settings = self._fixed_settings.get(id(codec)) or self.policy.describe(codec)
         self._record(site, t, codec.name, settings, raw, 0)
         self._dedup[key] = (ref, weakref.ref(saved))
@@ -309,10 +251,10 @@ class ActivationCompressor:
         raw: int,
         why: str,
         name: str = "kept",
-    ) -> _Saved:
+    ) -> Saved:
         """Hold ``t`` as it is; its storage (``ref``) is charged once however many views
         are kept."""
-        saved = _Saved(None, None, site.key, name, raw=t.detach())
+        saved = Saved(None, None, site.key, name, raw=t.detach())
         kept = self._ledger.hold_raw(saved, t, ref)
         self.stats.tensors_kept += 1
         self.stats.packed_bytes += kept
@@ -370,8 +312,9 @@ class ActivationCompressor:
             if small:
                 return self._join(site, t, key, ref, raw, codec)
         part, layout = compact(t.detach())
-        try:
-            packed = codec.encode(part, self._seed_for(site))
+        self._checks.poll()
+        try:  # without waiting for the device where the codec can (see engine/checks.py)
+            packed = getattr(codec, "encode_deferred", codec.encode)(part, self._seed_for(site))
         except Exception as err:
             self._codec_failed(site.key, codec, err)
             packed = None
@@ -380,8 +323,9 @@ class ActivationCompressor:
         nbytes = packed.nbytes
         if nbytes >= part.numel() * part.element_size():
             return self._keep(site, t, key, ref, raw, f"{codec.name} not smaller")
-        saved = _Saved(packed, codec, site.key, codec.name, layout=layout)
+        saved = Saved(packed, codec, site.key, codec.name, layout=layout)
         self._ledger.hold_packed(saved, nbytes)
+        self._checks.add(saved)
         self.stats.tensors_packed += 1
         self.stats.packed_bytes += nbytes
         self._dedup[key] = (ref, weakref.ref(saved))
@@ -391,9 +335,16 @@ class ActivationCompressor:
             self.packed_log.append(packed)
         return saved
 
+    def _recharge(self, saved: Saved, delta: int) -> None:
+        """A deferred check replaced ``saved``'s payload: its bytes changed by ``delta``."""
+        self._ledger.adjust_packed(saved, delta)
+        self.stats.packed_bytes += delta
+
     def _unpack(self, saved: Any) -> torch.Tensor:
+        if len(self._checks):  # backward has begun: every verdict is needed
+            self._checks.settle_all()
         if self._small.open:  # backward has begun: small tensors still waiting are encoded
             self._small.flush()
-        if isinstance(saved, _Saved):
+        if isinstance(saved, Saved):
             return saved.unpack()
         return saved

@@ -114,6 +114,12 @@ class Ledger:
         self._add(nbytes)
         weakref.finalize(holder, self._add, -nbytes)
 
+    def adjust_packed(self, holder: object, delta: int) -> None:
+        """Charge ``holder`` ``delta`` more packed bytes (its payload was replaced after
+        a deferred check), released with it; not checked against the budget."""
+        self._add(delta)
+        weakref.finalize(holder, self._add, -delta)
+
     def _add(self, nbytes: int) -> None:
         self.stats.live_bytes += nbytes
         self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, self.stats.live_bytes)

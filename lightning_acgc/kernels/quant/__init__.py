@@ -25,6 +25,7 @@ __all__ = [
     "quant_decode",
     "quant_decode_ref",
     "quant_encode",
+    "quant_encode_deferred",
     "quant_encode_ref",
     "stored_meta",
     "uniform_noise",
@@ -86,6 +87,33 @@ def quant_encode(
             return None
         return payload
     return fn(x.contiguous(), bits, group_size, seed, reject_inf_steps=reject_inf_steps)
+
+
+def quant_encode_deferred(
+    x: torch.Tensor,
+    bits: int,
+    group_size: int,
+    seed: int,
+    backend: str = "auto",
+    meta: str = "fp32",
+) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
+    """The Triton encode without waiting for the device: ``(payload, status)``, the
+    payload valid where ``status`` (a one-element int32 device tensor) is 0, else to be
+    encoded again with :func:`quant_encode`; ``None`` where ``x`` takes another path
+    (encode it with :func:`quant_encode`).
+
+    Example:
+        >>> quant_encode_deferred(torch.ones(64), 2, 64, 0, backend="torch") is None
+        True
+    """
+    if stored_meta(meta, x.device.type, backend) != "fp32":
+        return None
+    fn = route(
+        x, backend, quant_encode_ref, f"{_TRITON}:quant_encode_triton_unchecked", quant_encode_cpu
+    )
+    if fn is quant_encode_ref or fn is quant_encode_cpu:
+        return None
+    return fn(x.contiguous(), bits, group_size, seed)
 
 
 def quant_decode(

@@ -55,7 +55,7 @@ from lightning_acgc.kernels.quant.triton_jit import (
     _quant_wide_kernel,
 )
 
-__all__ = ["quant_decode_triton", "quant_encode_triton"]
+__all__ = ["quant_decode_triton", "quant_encode_triton", "quant_encode_triton_unchecked"]
 
 _IN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -166,6 +166,47 @@ def _decode_into(
     )
 
 
+def _check_encode_args(
+    x: torch.Tensor, bits: int, group_size: int, noise: torch.Tensor | None
+) -> None:
+    _check_config(bits, group_size)
+    check_device(x, "x")
+    check_dtype(x, "x", _IN_DTYPES)
+    check_contiguous(x, "x")
+    if x.numel() == 0:
+        raise ValueError("x is empty; the quant codec keeps empty tensors as they are")
+    if noise is not None:
+        n_groups = triton.cdiv(x.numel(), group_size)
+        check_dtype(noise, "noise", (torch.float32,))
+        check_contiguous(noise, "noise")
+        if tuple(noise.shape) != (n_groups, group_size) or noise.device != x.device:
+            raise ValueError(
+                f"noise must have shape {(n_groups, group_size)} on {x.device}, got "
+                f"{tuple(noise.shape)} on {noise.device}"
+            )
+
+
+def quant_encode_triton_unchecked(
+    x: torch.Tensor, bits: int, group_size: int, seed: int
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """:func:`quant_encode_triton` without its host sync: ``(payload, status)``, where
+    the payload is the one :func:`quant_encode_triton` returns if the device's
+    ``status`` (int32, one element) is 0; else (NaN/inf inside, or a range needing
+    float64) encode ``x`` again with :func:`quant_encode_triton`. Arguments and errors as
+    there (no injected noise).
+    """
+    _check_encode_args(x, bits, group_size, None)
+    codes, lo, scale, status = _quant_encode_core(x, None, bits, group_size, philox_seed(seed))
+    payload = {
+        "codes": codes,
+        "lo": lo,
+        "scale": scale,
+        "exc_idx": torch.empty(0, dtype=torch.int64, device=x.device),
+        "exc_val": torch.empty(0, dtype=x.dtype, device=x.device),
+    }
+    return payload, status
+
+
 def quant_encode_triton(
     x: torch.Tensor,
     bits: int,
@@ -198,21 +239,7 @@ def quant_encode_triton(
         ValueError: bad ``bits``/``group_size``, empty or non-contiguous ``x``, or
             ``noise`` of the wrong shape or device.
     """
-    _check_config(bits, group_size)
-    check_device(x, "x")
-    check_dtype(x, "x", _IN_DTYPES)
-    check_contiguous(x, "x")
-    if x.numel() == 0:
-        raise ValueError("x is empty; the quant codec keeps empty tensors as they are")
-    n_groups = triton.cdiv(x.numel(), group_size)
-    if noise is not None:
-        check_dtype(noise, "noise", (torch.float32,))
-        check_contiguous(noise, "noise")
-        if tuple(noise.shape) != (n_groups, group_size) or noise.device != x.device:
-            raise ValueError(
-                f"noise must have shape {(n_groups, group_size)} on {x.device}, got "
-                f"{tuple(noise.shape)} on {noise.device}"
-            )
+    _check_encode_args(x, bits, group_size, noise)
     seed = philox_seed(seed)
     codes, lo, scale, status = _quant_encode_core(x, noise, bits, group_size, seed)
     exc_idx = torch.empty(0, dtype=torch.int64, device=x.device)

@@ -1,0 +1,74 @@
+"""What autograd holds for each saved tensor while the compression hooks are on."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_acgc.codecs.base import Codec, Packed
+from lightning_acgc.engine.coalesce import Chunk, Member
+from lightning_acgc.engine.layout import Layout, restore
+
+__all__ = ["Saved"]
+
+
+class Saved:
+    """What autograd holds instead of a saved tensor: its packed form, or the tensor
+    itself (``raw``, detached: returning a saved output with its ``grad_fn`` would make
+    a reference cycle through autograd's C++ graph that no garbage collection frees).
+    The ledger charges it when made and releases it when autograd drops it.
+
+    A tensor saved by several ops (a ReLU output that is also the next conv's input) is
+    packed once and handed out ``pending`` times; backward decodes it once and keeps the
+    decoded tensor until the last of those unpacks (or until the graph is freed, if some
+    op never unpacks it). The decoded tensor has the sizes and strides that autograd saved
+    (``layout``; see :mod:`lightning_acgc.engine.layout`).
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "chunk",
+        "codec",
+        "decoded",
+        "layout",
+        "member",
+        "name",
+        "packed",
+        "pending",
+        "raw",
+        "site",
+    )
+
+    def __init__(
+        self,
+        packed: Packed | None,
+        codec: Codec | None,
+        site: str,
+        name: str,
+        raw: torch.Tensor | None = None,
+        layout: Layout | None = None,
+    ) -> None:
+        self.packed = packed
+        self.codec = codec
+        self.raw: torch.Tensor | None = raw
+        self.name = name
+        self.site = site
+        self.layout = layout
+        self.pending = 1
+        self.decoded: torch.Tensor | None = None
+        self.chunk: Chunk | None = None  # a small tensor encoded with others
+        self.member: Member | None = None
+
+    def unpack(self) -> torch.Tensor:
+        if self.raw is not None:
+            return self.raw
+        if self.chunk is not None:
+            m = self.member
+            assert m is not None
+            return restore(self.chunk.take(m.offset, m.numel).view(m.shape), self.layout)
+        assert self.codec is not None and self.packed is not None
+        out = self.decoded
+        if out is None:
+            out = restore(self.codec.decode(self.packed), self.layout)
+        self.pending -= 1
+        self.decoded = out if self.pending > 0 else None
+        return out
