@@ -12,6 +12,7 @@ from torch import nn
 
 from lightning_acgc import compress_activations
 from lightning_acgc.codecs.base import Packed
+from lightning_acgc.codecs.channels import ChannelNormalized
 from lightning_acgc.codecs.deferred import DeferredCheck
 from lightning_acgc.codecs.quant import QuantCodec, QuantWidthConfig
 from lightning_acgc.codecs.split import SplitCodec, SplitConfig
@@ -70,6 +71,23 @@ def test_split_deferred_checks_both_parts(kind: str) -> None:
     torch.testing.assert_close(
         codec.decode(packed), codec.decode(checked), atol=0, rtol=0, equal_nan=True
     )
+
+
+@pytest.mark.parametrize("kind", ["plain", "nan"])
+def test_channel_normalized_deferred_keeps_its_channels(kind: str) -> None:
+    """The BatchNorm-input wrapper defers through its inner codec; a payload encoded
+    again after a failed verdict gets the channel parameters back."""
+    inner = _triton(QuantCodec(QuantWidthConfig(bits=2, group_size=64)))
+    codec = ChannelNormalized(inner)
+    x = torch.randn(4, 6, 8, 8) * torch.logspace(-2, 2, 6).view(1, 6, 1, 1)
+    if kind == "nan":
+        x[1, 2, 3, 4] = float("nan")
+    packed = codec.encode_deferred(x, seed=5)
+    assert packed is not None and packed.check is not None
+    checked = codec.encode(x, seed=5)
+    y = codec.decode(packed)
+    _same_payload(packed, checked)
+    torch.testing.assert_close(y, codec.decode(checked), atol=0, rtol=0, equal_nan=True)
 
 
 def test_paths_that_check_at_once_attach_no_check() -> None:

@@ -20,6 +20,7 @@ keeps non-finite values exactly. A constant channel has s = 0 and decodes exactl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,18 +57,36 @@ class ChannelNormalized:
         self.config: Any = getattr(inner, "config", None)
 
     def encode(self, x: torch.Tensor, seed: int) -> Packed | None:
+        return self._encode(x, seed, self.inner.encode)
+
+    def encode_deferred(self, x: torch.Tensor, seed: int) -> Packed | None:
+        """:meth:`encode` with the inner codec's ``encode_deferred`` where it has one
+        (its check, if any, re-adds the channel parameters to what it encodes again)."""
+        return self._encode(x, seed, getattr(self.inner, "encode_deferred", self.inner.encode))
+
+    def _encode(
+        self, x: torch.Tensor, seed: int, inner_encode: Callable[[torch.Tensor, int], Any]
+    ) -> Packed | None:
         if x.dim() < 2 or x.numel() == 0 or not x.is_floating_point():
-            return self.inner.encode(x, seed)
+            return inner_encode(x, seed)
         y, m, s = normalize_channels(x, getattr(self.inner, "backend", "auto"))
-        packed = self.inner.encode(y, seed)
+        packed = inner_encode(y, seed)
         if packed is None:
             return None
-        packed.payload["channel_mid"] = m
-        packed.payload["channel_half_range"] = s
-        packed.meta["channel_dtype"] = x.dtype
-        return packed
+        dtype = x.dtype  # (not x: a deferred check keeps only y alive)
+
+        def add_channels(p: Packed) -> Packed:
+            p.payload["channel_mid"] = m
+            p.payload["channel_half_range"] = s
+            p.meta["channel_dtype"] = dtype
+            return p
+
+        if packed.check is not None:
+            packed.check.then(add_channels)
+        return add_channels(packed)
 
     def decode(self, packed: Packed) -> torch.Tensor:
+        packed.settle()  # before reading the payload (the inner decode would, too late)
         y = self.inner.decode(packed)
         if "channel_mid" not in packed.payload:
             return y
