@@ -36,10 +36,15 @@ def kernels_table(kernels: dict[str, Any]) -> list[str]:
     """Per codec: the Triton kernels' and the torch reference's GB/s beside a copy of the
     same tensor, and the kernel's time as a multiple of the copy's."""
     s = kernels["settings"]
+    timing = (  # rows before e5297d3 have no "timing": single calls
+        f"median over 5 batches of {s['repeat']} calls back to back, one sync a batch"
+        if s.get("timing") == "batched"
+        else f"median of {s['repeat']} calls"
+    )
     out = [
         f"{s['size']:,} elements ({s['dtype']}{', post-ReLU' if s['relu'] else ''}), "
-        f"{s['bits']}-bit quant and DIVISION residual, median of {s['repeat']} calls; GB/s "
-        "counts bytes read plus written.",
+        f"{s['bits']}-bit quant and DIVISION residual, {timing}; GB/s counts bytes read "
+        "plus written.",
         "",
         "| codec | copy GB/s | Triton encode GB/s (× copy time) | Triton decode GB/s "
         "(× copy time) | torch encode GB/s | torch decode GB/s |",

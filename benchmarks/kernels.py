@@ -196,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
                 "bits": args.bits,
                 "relu": args.relu,
                 "repeat": args.repeat,
+                # how _time_ms timed a call on this device
+                "timing": "batched" if torch.device(args.device).type == "cuda" else "single",
             },
             "runs": records,
         }
