@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA device, in one run: the tests marked gpu with the Triton
 # kernels compiled for the card (TRITON_INTERPRET=0), then the kernel, codec, speed and
-# memory benchmarks with --device cuda. Each phase has its own time limit and its own
-# output file, so a slow or failing phase leaves the others' results.
+# memory benchmarks with --device cuda, a profile of the hooks and the quant kernels'
+# device and host time. Each phase has its own time limit and its own output file, so a
+# slow or failing phase leaves the others' results.
 #   bash scripts/gpu_check.sh OUTDIR
 # Outputs in OUTDIR: tests.log (environment and pytest), kernels.jsonl, codecs.jsonl,
 # speed.jsonl, memory.jsonl (one JSON line per benchmark run), profile.jsonl (host syncs,
-# host-time ops and Python of a ResNet-50 step, scripts/gpu_profile.py), bench.err (their
-# progress bars and errors).
+# host-time ops and Python of a ResNet-50 step, scripts/gpu_profile.py), kernel_ab.jsonl
+# (the quant kernels' device time against a copy's and host time a call,
+# scripts/gpu_kernel_ab.py; BASELINE_JIT=path/to/old/triton_jit.py adds an older version's
+# kernels side by side), bench.err (their progress bars and errors).
 # Runs with the Python in $PYTHON (default: python3), which must hold torch with CUDA,
 # triton, lightning, transformers and torch_geometric; hydra-core and omegaconf may come
 # through PYTHONPATH.
@@ -48,4 +51,6 @@ phase 50 codecs "$py" -m benchmarks.codecs --device cuda >"$out/codecs.jsonl"
 phase 100 speed "$py" -m benchmarks.speed --device cuda --batch-size 64 >"$out/speed.jsonl"
 phase 100 memory "$py" -m benchmarks.memory --device cuda --batch-size 64 >"$out/memory.jsonl"
 phase 60 profile "$py" scripts/gpu_profile.py --configs plain quant2 acgc >"$out/profile.jsonl"
+phase 40 kernel-ab "$py" scripts/gpu_kernel_ab.py ${BASELINE_JIT:+--baseline "$BASELINE_JIT"} \
+    >"$out/kernel_ab.jsonl"
 grep "^== " "$out/tests.log" "$out/bench.err" >&1

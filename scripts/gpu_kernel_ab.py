@@ -56,7 +56,8 @@ def _load(path: str) -> ModuleType:
 
 
 def _launchers(jit: ModuleType, x: torch.Tensor, bits: int, noise: torch.Tensor | None):
-    """(encode, decode) closures that launch ``jit``'s kernels once each on ``x``."""
+    """``(encode, decode, buffers)``: closures that launch ``jit``'s kernels once each on
+    ``x``, and the tensors they write (``codes``, ``lo``, ``scale``, ``out``)."""
     numel = x.numel()
     n_groups = -(-numel // GROUP)
     gpp = rows_per_program(GROUP, n_groups)
@@ -84,7 +85,7 @@ def _launchers(jit: ModuleType, x: torch.Tensor, bits: int, noise: torch.Tensor 
             **LAUNCH_OPTIONS,
         )  # fmt: skip
 
-    return encode, decode
+    return encode, decode, {"codes": codes, "lo": lo, "scale": scale, "out": out}
 
 
 def _device_us(fn, launches: int) -> float:
@@ -114,7 +115,7 @@ def _tensor_row(args: argparse.Namespace, variants: dict[str, ModuleType], dtype
     noise = torch.rand(-(-x.numel() // GROUP), GROUP, device="cuda")
     fns: dict[str, Any] = {"copy": lambda: x.clone()}
     for name, jit in variants.items():
-        enc, dec = _launchers(jit, x, bits, None)
+        enc, dec, _ = _launchers(jit, x, bits, None)
         enc()  # the payload the decode reads
         fns[f"{name}.encode"], fns[f"{name}.decode"] = enc, dec
         fns[f"{name}.encode_noise"] = _launchers(jit, x, bits, noise)[0]
@@ -138,7 +139,7 @@ def _tensor_row(args: argparse.Namespace, variants: dict[str, ModuleType], dtype
 
 def _host_row(args: argparse.Namespace) -> dict:
     x = torch.randn(args.small, device="cuda").relu_()
-    enc, _ = _launchers(current, x, 2, None)
+    enc, _, _ = _launchers(current, x, 2, None)
     codec = QuantCodec(QuantWidthConfig(bits=2, group_size=GROUP))
     codec.backend = "triton"
     payload = quant_encode_triton(x, 2, GROUP, 1)
