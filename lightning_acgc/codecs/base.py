@@ -80,7 +80,9 @@ class Codec(Protocol):
     """Turns a tensor into a :class:`Packed` and back.
 
     ``encode`` returns ``None`` for a tensor the codec cannot take; the engine then
-    keeps that tensor as it is.
+    keeps that tensor as it is. A codec may also offer ``encode_deferred(x, seed)``, the
+    same without waiting for a device's verdict on its payload (a ``Packed`` with a
+    ``check``, see :mod:`lightning_acgc.codecs.deferred`); the engine prefers it.
     """
 
     name: ClassVar[str]
