@@ -59,10 +59,13 @@ class DeferredCheck:
         self._event: torch.cuda.Event | None = None
         if flags and flags[0].is_cuda:
             host = torch.empty(len(flags), dtype=torch.int32, pin_memory=True)
-            for i, flag in enumerate(flags):
-                host[i : i + 1].copy_(flag.view(1), non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
+            # the copies and the event on the flags' device's current stream, whichever
+            # device is current (the event then waits for exactly the work behind them)
+            with torch.cuda.device(flags[0].device):
+                for i, flag in enumerate(flags):
+                    host[i : i + 1].copy_(flag.view(1), non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record()
             self._flags: Sequence[torch.Tensor] = [host]
         else:
             self._flags = list(flags)
