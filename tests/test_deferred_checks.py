@@ -190,3 +190,29 @@ def test_engine_defers_and_counts_the_settled_bytes(
     assert counted == counted_checked
     for a, b in zip(grads, checked, strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+@pytest.mark.parametrize("codec_kind", ["quant", "split", "channels"])
+@pytest.mark.parametrize("kind", ["plain", "nan", "huge"])
+def test_deferred_on_gpu_settles_to_the_checked_encode(kind: str, codec_kind: str) -> None:
+    """On a GPU the verdict comes through pinned memory behind an event: settling waits
+    for it, and a failed verdict (NaN/inf, a range beyond float32) gives the checked
+    encode's payload."""
+    inner = QuantCodec(QuantWidthConfig(bits=1 if kind == "huge" else 2, group_size=64))
+    codec = {
+        "quant": inner,
+        "split": SplitCodec(SplitConfig(bits=3, low_share=0.5, group_size=64)),
+        "channels": ChannelNormalized(inner),
+    }[codec_kind]
+    x = _special(kind).cuda()
+    if codec_kind == "channels":
+        x = x.view(3, 10, 100)
+    packed = codec.encode_deferred(x, seed=9)
+    assert packed is not None and packed.check is not None
+    checked = codec.encode(x, seed=9)
+    y = codec.decode(packed)
+    _same_payload(packed, checked)
+    torch.testing.assert_close(y, codec.decode(checked), atol=0, rtol=0, equal_nan=True)
