@@ -74,13 +74,15 @@ def test_split_deferred_checks_both_parts(kind: str) -> None:
 
 @pytest.mark.parametrize("kind", ["plain", "nan"])
 def test_channel_normalized_deferred_keeps_its_channels(kind: str) -> None:
-    """The BatchNorm-input wrapper defers through its inner codec; a payload encoded
-    again after a failed verdict gets the channel parameters back."""
+    """The BatchNorm-input wrapper defers through its inner codec, its check keeping the
+    wrapper's own input; a failed verdict encodes that input again, channels and all."""
     inner = _triton(QuantCodec(QuantWidthConfig(bits=2, group_size=64)))
     codec = ChannelNormalized(inner)
     x = torch.randn(4, 6, 8, 8) * torch.logspace(-2, 2, 6).view(1, 6, 1, 1)
     if kind == "nan":
         x[1, 2, 3, 4] = float("nan")
+    waiting = codec.encode_deferred(x, seed=5)
+    assert waiting.check._source is x  # kept for a redo: x, not the fp32 normalized copy
     _settles_to_checked(codec, x, seed=5)
 
 

@@ -60,8 +60,9 @@ class ChannelNormalized:
         return self._encode(x, seed, self.inner.encode)
 
     def encode_deferred(self, x: torch.Tensor, seed: int) -> Packed | None:
-        """:meth:`encode` with the inner codec's ``encode_deferred`` where it has one
-        (its check, if any, re-adds the channel parameters to what it encodes again)."""
+        """:meth:`encode` with the inner codec's ``encode_deferred`` where it has one; its
+        check, if any, keeps ``x`` (not the fp32 normalized copy, which goes at once) and
+        encodes ``x`` again with :meth:`encode` if the verdict fails."""
         return self._encode(x, seed, getattr(self.inner, "encode_deferred", self.inner.encode))
 
     def _encode(
@@ -73,17 +74,12 @@ class ChannelNormalized:
         packed = inner_encode(y, seed)
         if packed is None:
             return None
-        dtype = x.dtype  # (not x: a deferred check keeps only y alive)
-
-        def add_channels(p: Packed) -> Packed:
-            p.payload["channel_mid"] = m
-            p.payload["channel_half_range"] = s
-            p.meta["channel_dtype"] = dtype
-            return p
-
         if packed.check is not None:
-            packed.check.then(add_channels)
-        return add_channels(packed)
+            packed.check.rebase(x, lambda source: self.encode(source, seed))
+        packed.payload["channel_mid"] = m
+        packed.payload["channel_half_range"] = s
+        packed.meta["channel_dtype"] = x.dtype
+        return packed
 
     def decode(self, packed: Packed) -> torch.Tensor:
         packed.settle()  # before reading the payload (the inner decode would, too late)

@@ -45,7 +45,7 @@ class DeferredCheck:
         (True, True)
     """
 
-    __slots__ = ("_event", "_finish", "_flags", "_redo", "_source")
+    __slots__ = ("_event", "_flags", "_redo", "_source")
 
     def __init__(
         self,
@@ -55,7 +55,6 @@ class DeferredCheck:
     ) -> None:
         self._source: torch.Tensor | None = source
         self._redo = redo
-        self._finish: list[Callable[[Packed], Packed]] = []
         self._event: torch.cuda.Event | None = None
         if flags and flags[0].is_cuda:
             host = torch.empty(len(flags), dtype=torch.int32, pin_memory=True)
@@ -80,10 +79,11 @@ class DeferredCheck:
             self._event.synchronize()
         return not any(v for flag in self._flags for v in flag.tolist())
 
-    def then(self, finish: Callable[[Packed], Packed]) -> None:
-        """Pass a replacement through ``finish`` (a codec that wraps another adds its
-        own payload to what the inner codec encodes again, or keeps raw)."""
-        self._finish.append(finish)
+    def rebase(self, source: torch.Tensor, redo: Callable[[torch.Tensor], Packed | None]) -> None:
+        """Encode ``source`` with ``redo`` if the verdict fails, instead of the tensor
+        the inner codec was given: a codec that wraps another (and transformed its input)
+        keeps its own input and its own checked encode, and the transformed copy can go."""
+        self._source, self._redo = source, redo
 
     def replacement(self) -> Packed | None:
         """Settle: ``None`` where the payload is valid, else the source encoded again on
@@ -103,6 +103,4 @@ class DeferredCheck:
             packed = None
         if packed is None:  # the identity codec's form: the tensor itself
             packed = Packed("identity", source.shape, source.dtype, {"raw": source})
-        for finish in self._finish:
-            packed = finish(packed)
         return packed
