@@ -69,21 +69,12 @@ def _codec_calls(
     codec's kernel module is missing."""
     shape, numel, dtype = x.shape, x.numel(), x.dtype
     if codec == "quant":
-        from lightning_acgc.kernels.quant import quant_decode, quant_encode, quant_encode_deferred
+        from lightning_acgc.kernels.quant import quant_decode, quant_encode_deferred
 
         bits, group = args.bits, args.group_size
 
-        def encode(backend: str) -> Any:
-            # Triton: the engine's path, the device's verdict read later (no host sync)
-            deferred = quant_encode_deferred(x, bits, group, 0, backend=backend)
-            return (
-                quant_encode(x, bits, group, 0, backend=backend)
-                if deferred is None
-                else deferred[0]
-            )
-
-        return (
-            encode,
+        return (  # the engine's encode: on the Triton path the verdict is read later
+            lambda b: quant_encode_deferred(x, bits, group, 0, backend=b)[0],
             lambda p, b: quant_decode(p, bits, group, numel, dtype, backend=b),
             x,
         )

@@ -52,14 +52,17 @@ class Packed:
     meta: dict[str, Any] = field(default_factory=dict)
     check: DeferredCheck | None = field(default=None, repr=False, compare=False)
 
-    def settle(self) -> None:
+    def settle(self) -> int:
         """Apply a deferred check: wait for the verdict and, where it failed, take the
-        form encoded again on the checked path (another codec name, payload, meta)."""
+        form encoded again on the checked path (another codec name, payload, meta).
+        Returns the change of :attr:`nbytes` (0 unless the payload was replaced)."""
         check, self.check = self.check, None
-        if check is not None:
-            again = check.replacement()
-            if again is not None:
-                self.codec, self.payload, self.meta = again.codec, again.payload, again.meta
+        again = None if check is None else check.replacement()
+        if again is None:
+            return 0
+        before = self.nbytes
+        self.codec, self.payload, self.meta = again.codec, again.payload, again.meta
+        return self.nbytes - before
 
     @property
     def nbytes(self) -> int:

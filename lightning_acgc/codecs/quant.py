@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -102,11 +101,10 @@ class QuantCodec:
         payload, status = self.payload_of(x, seed, defer)
         if payload is None:  # a step beyond float32
             return raw_packed(x)
-        check = None if status is None else DeferredCheck([status], x, self._redo(seed))
+        check = None
+        if status is not None:
+            check = DeferredCheck([status], x, lambda source: self.encode(source, seed))
         return Packed(self.name, x.shape, x.dtype, payload, self.meta_of(seed), check=check)
-
-    def _redo(self, seed: int) -> Callable[[torch.Tensor], Packed | None]:
-        return lambda x: self._encode(x, seed, defer=False)
 
     def meta_of(self, seed: int) -> dict[str, int]:
         """The ``meta`` of a payload encoded with ``seed``."""
@@ -120,11 +118,9 @@ class QuantCodec:
         (Triton) payload, valid where it is 0, else ``None`` (checked already)."""
         bits, group_size, meta = self.config.bits, self.config.group_size, self.config.meta
         if defer:
-            found = qk.quant_encode_deferred(
+            return qk.quant_encode_deferred(
                 x, bits, group_size, seed, backend=self.backend, meta=meta
             )
-            if found is not None:
-                return found
         payload = qk.quant_encode(
             x, bits, group_size, seed, backend=self.backend, meta=meta, reject_inf_steps=True
         )

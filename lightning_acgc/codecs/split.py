@@ -143,7 +143,7 @@ class SplitCodec:
                 flags.append(status)
         check = None
         if flags:
-            check = DeferredCheck(flags, x, lambda source: self._encode(source, seed, False))
+            check = DeferredCheck(flags, x, lambda source: self.encode(source, seed))
         return Packed(self.name, x.shape, x.dtype, payload, meta, check=check)
 
     def decode(self, packed: Packed) -> torch.Tensor:

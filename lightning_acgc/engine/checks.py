@@ -78,7 +78,6 @@ class PendingChecks:
         saved = ref()
         if saved is None or saved.packed is None or saved.packed.check is None:
             return  # freed, or settled by its decode
-        before = saved.packed.nbytes
-        saved.packed.settle()
-        if saved.packed.nbytes != before:
-            self._on_settled(saved, saved.packed.nbytes - before)
+        delta = saved.packed.settle()
+        if delta:
+            self._on_settled(saved, delta)

@@ -32,7 +32,6 @@ __all__ = [
     "mul_rn",
     "next_power_of_2",
     "philox_seed",
-    "plain_launches",
     "rows_per_program",
     "store_narrow",
     "uniform_rows",
@@ -84,12 +83,6 @@ def eager_or_op(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
         return call
 
     return wrap
-
-
-def plain_launches() -> contextlib.AbstractContextManager[None]:
-    """Context in which ``wrap_triton(kernel)[grid](...)`` launches the kernel directly, as
-    in an :func:`eager_or_op` launcher's eager call (for eager launches outside one)."""
-    return _wrap_triton_enabled(False)
 
 
 def launchable(kernel: Any) -> Any:

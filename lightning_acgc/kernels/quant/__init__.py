@@ -5,6 +5,9 @@ compiled CPU path, or the pure-torch reference (see
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from lightning_acgc.kernels.common.dispatch import route
@@ -16,6 +19,7 @@ from lightning_acgc.kernels.quant.reference import (
     quant_decode_ref,
     quant_encode_ref,
     uniform_noise,
+    without_inf_steps,
 )
 
 __all__ = [
@@ -70,22 +74,9 @@ def quant_encode(
         >>> y[0].item(), bool((y - x).abs().max() < 0.03)
         (0.0, True)
     """
-    if meta != "fp32" and backend == "triton":
-        raise ValueError(
-            f"meta={meta!r} needs backend 'auto', 'torch' or 'cpu': the Triton "
-            "kernel writes fp32 metadata only"
-        )
-    meta = stored_meta(meta, x.device.type, backend)
-    if meta != "fp32" and x.device.type != "cpu":
-        backend = "torch"
-    fn = route(x, backend, quant_encode_ref, f"{_TRITON}:quant_encode_triton", quant_encode_cpu)
-    if fn is quant_encode_cpu:
-        return fn(x, bits, group_size, seed, meta=meta, reject_inf_steps=reject_inf_steps)
-    if fn is quant_encode_ref:
-        payload = fn(x, bits, group_size, seed, meta=meta)
-        if reject_inf_steps and not bool(torch.isfinite(payload["scale"]).all()):
-            return None
-        return payload
+    fn, meta = _encoder(x, backend, meta, "quant_encode_triton")
+    if fn is quant_encode_cpu or fn is quant_encode_ref:
+        return _encode_checked(fn, x, bits, group_size, seed, meta, reject_inf_steps)
     return fn(x.contiguous(), bits, group_size, seed, reject_inf_steps=reject_inf_steps)
 
 
@@ -96,24 +87,54 @@ def quant_encode_deferred(
     seed: int,
     backend: str = "auto",
     meta: str = "fp32",
-) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
-    """The Triton encode without waiting for the device: ``(payload, status)``, the
-    payload valid where ``status`` (a one-element int32 device tensor) is 0, else to be
-    encoded again with :func:`quant_encode`; ``None`` where ``x`` takes another path
-    (encode it with :func:`quant_encode`).
+) -> tuple[dict[str, torch.Tensor] | None, torch.Tensor | None]:
+    """:func:`quant_encode` with ``reject_inf_steps=True``, without waiting for the
+    device: ``(payload, status)``. On the Triton path ``status`` is a one-element int32
+    device tensor and the payload is valid where it is 0 (else encode again with
+    :func:`quant_encode`); on the other paths, which check at once, ``status`` is
+    ``None`` and the payload ``None`` where a step overflows.
 
     Example:
-        >>> quant_encode_deferred(torch.ones(64), 2, 64, 0, backend="torch") is None
-        True
+        >>> payload, status = quant_encode_deferred(torch.ones(64), 2, 64, 0)
+        >>> sorted(payload), status
+        (['codes', 'exc_idx', 'exc_val', 'lo', 'scale'], None)
     """
-    if stored_meta(meta, x.device.type, backend) != "fp32":
-        return None
-    fn = route(
-        x, backend, quant_encode_ref, f"{_TRITON}:quant_encode_triton_unchecked", quant_encode_cpu
-    )
-    if fn is quant_encode_ref or fn is quant_encode_cpu:
-        return None
+    fn, meta = _encoder(x, backend, meta, "quant_encode_triton_unchecked")
+    if fn is quant_encode_cpu or fn is quant_encode_ref:
+        return _encode_checked(fn, x, bits, group_size, seed, meta, True), None
     return fn(x.contiguous(), bits, group_size, seed)
+
+
+def _encoder(
+    x: torch.Tensor, backend: str, meta: str, triton: str
+) -> tuple[Callable[..., Any], str]:
+    """The encoder that takes ``x`` (``triton``: the Triton launcher's name) and the
+    metadata format it writes."""
+    if meta != "fp32" and backend == "triton":
+        raise ValueError(
+            f"meta={meta!r} needs backend 'auto', 'torch' or 'cpu': the Triton "
+            "kernel writes fp32 metadata only"
+        )
+    meta = stored_meta(meta, x.device.type, backend)
+    if meta != "fp32" and x.device.type != "cpu":
+        backend = "torch"
+    return route(x, backend, quant_encode_ref, f"{_TRITON}:{triton}", quant_encode_cpu), meta
+
+
+def _encode_checked(
+    fn: Callable[..., Any],
+    x: torch.Tensor,
+    bits: int,
+    group_size: int,
+    seed: int,
+    meta: str,
+    reject_inf_steps: bool,
+) -> dict[str, torch.Tensor] | None:
+    """The compiled CPU path or the reference (both check at once)."""
+    if fn is quant_encode_cpu:
+        return fn(x, bits, group_size, seed, meta=meta, reject_inf_steps=reject_inf_steps)
+    payload = fn(x, bits, group_size, seed, meta=meta)
+    return without_inf_steps(payload) if reject_inf_steps else payload
 
 
 def quant_decode(

@@ -19,6 +19,7 @@ from lightning_acgc.kernels.quant.reference import (
     hash_key,
     quant_decode_ref,
     quant_encode_ref,
+    without_inf_steps,
 )
 
 __all__ = ["quant_decode_cpu", "quant_encode_cpu", "sr_variance_sums_cpu"]
@@ -51,9 +52,7 @@ def quant_encode_cpu(
             break
     if status == 2:  # NaN/inf, or a range or inverse beyond float32: the reference
         payload = quant_encode_ref(x, bits, group_size, seed, meta=meta)
-        if reject_inf_steps and not bool(torch.isfinite(payload["scale"]).all()):
-            return None
-        return payload
+        return without_inf_steps(payload) if reject_inf_steps else payload
     stored = torch.bfloat16 if meta == "bf16" and bf16 else torch.float32
     return {
         "codes": codes,

@@ -48,6 +48,7 @@ __all__ = [
     "quant_decode_ref",
     "quant_encode_ref",
     "uniform_noise",
+    "without_inf_steps",
 ]
 
 META_FORMATS = ("fp32", "bf16")
@@ -231,6 +232,17 @@ def quant_encode_ref(
         "exc_idx": exc_idx,
         "exc_val": exc_val,
     }
+
+
+def without_inf_steps(payload: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """``payload``, or ``None`` where a group's step is stored as inf (beyond the
+    metadata's float format: only the float64 path writes one).
+
+    Example:
+        >>> without_inf_steps({"scale": torch.tensor([1.0, float("inf")])}) is None
+        True
+    """
+    return payload if bool(torch.isfinite(payload["scale"]).all()) else None
 
 
 def decode_params(

@@ -41,12 +41,12 @@ from lightning_acgc.kernels.common.triton_utils import (
     check_dtype,
     eager_or_op,
     interpreting,
+    launchable,
     next_power_of_2,
     philox_seed,
-    plain_launches,
     rows_per_program,
 )
-from lightning_acgc.kernels.quant.reference import quant_encode_ref
+from lightning_acgc.kernels.quant.reference import quant_encode_ref, without_inf_steps
 from lightning_acgc.kernels.quant.triton_jit import (
     _FLOAT64,
     _NONFINITE,
@@ -142,13 +142,13 @@ def _decode_into(
     # overflows float32; this flag stays on the device.
     use_f64 = torch.zeros(1, dtype=torch.int32, device=lo.device)
     block = min(block_elems(), next_power_of_2(n_groups))
-    wrap_triton(_quant_wide_kernel)[(triton.cdiv(n_groups, block),)](
+    launchable(_quant_wide_kernel)[(triton.cdiv(n_groups, block),)](
         lo, scale, use_f64, n_groups,
         LEVELS=2**bits - 1, BLOCK=block, INTERPRET=interpreting(), **LAUNCH_OPTIONS,
     )  # fmt: skip
     group_p2 = next_power_of_2(group_size)
     gpp = rows_per_program(group_p2, n_groups)
-    wrap_triton(_quant_decode_kernel)[(triton.cdiv(n_groups, gpp),)](
+    launchable(_quant_decode_kernel)[(triton.cdiv(n_groups, gpp),)](
         codes,
         lo,
         scale,
@@ -196,7 +196,14 @@ def quant_encode_triton_unchecked(
     there (no injected noise).
     """
     _check_encode_args(x, bits, group_size, None)
-    codes, lo, scale, status = _quant_encode_core(x, None, bits, group_size, philox_seed(seed))
+    return _encode_launch(x, None, bits, group_size, philox_seed(seed))
+
+
+def _encode_launch(
+    x: torch.Tensor, noise: torch.Tensor | None, bits: int, group_size: int, seed: int
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The kernel's payload (no exceptions) and its status, without reading it."""
+    codes, lo, scale, status = _quant_encode_core(x, noise, bits, group_size, seed)
     payload = {
         "codes": codes,
         "lo": lo,
@@ -241,27 +248,23 @@ def quant_encode_triton(
     """
     _check_encode_args(x, bits, group_size, noise)
     seed = philox_seed(seed)
-    codes, lo, scale, status = _quant_encode_core(x, noise, bits, group_size, seed)
-    exc_idx = torch.empty(0, dtype=torch.int64, device=x.device)
-    exc_val = torch.empty(0, dtype=x.dtype, device=x.device)
+    payload, status = _encode_launch(x, noise, bits, group_size, seed)
     worst = int(status)  # the one host sync: the payload's shape depends on it
     if worst == _NONFINITE:
         # Exceptions and fill values exactly as the reference computes them; then the
         # kernel quantizes the filled (already padded) groups.
         xg, exc_idx, exc_val = fill_nonfinite_rows(group_view(x, group_size))
         keep = exc_idx < x.numel()  # padding copies of a non-finite last value
-        exc_idx, exc_val = exc_idx[keep], exc_val[keep].to(x.dtype)
-        codes, lo, scale, status = _quant_encode_core(xg.reshape(-1), noise, bits, group_size, seed)
+        payload, status = _encode_launch(xg.reshape(-1), noise, bits, group_size, seed)
+        payload["exc_idx"], payload["exc_val"] = exc_idx[keep], exc_val[keep].to(x.dtype)
         worst = int(status)
     if worst == _FLOAT64:
         # A group's range exceeds float32, or its step is subnormal (1 / step overflows):
         # the reference switches the whole tensor to float64, so let it encode this (rare)
         # tensor. Its codes then come from torch's generator unless noise was injected.
         payload = quant_encode_ref(x, bits, group_size, seed, noise=noise)
-        if reject_inf_steps and not bool(torch.isfinite(payload["scale"]).all()):
-            return None
-        return payload
-    return {"codes": codes, "lo": lo, "scale": scale, "exc_idx": exc_idx, "exc_val": exc_val}
+        return without_inf_steps(payload) if reject_inf_steps else payload
+    return payload
 
 
 def quant_decode_triton(
@@ -325,6 +328,5 @@ def quant_decode_triton(
         if torch.compiler.is_compiling():  # the traced op allocates its own output
             out.copy_(_quant_decode_core(codes, lo, scale, bits, group_size, numel, dtype))
         else:
-            with plain_launches():
-                _decode_into(codes, lo, scale, bits, group_size, out)
+            _decode_into(codes, lo, scale, bits, group_size, out)
     return restore_exceptions(out, payload["exc_idx"], payload["exc_val"])
