@@ -40,7 +40,8 @@ class DeferredCheck:
         >>> x = torch.ones(3)
         >>> packed = raw_packed(torch.zeros(3))  # stands for a payload the device rejected
         >>> packed.check = DeferredCheck([torch.ones(1, dtype=torch.int32)], x, raw_packed)
-        >>> packed.settle()
+        >>> packed.settle()  # the change of the held bytes
+        0
         >>> torch.equal(packed.payload["raw"], x), packed.check is None
         (True, True)
     """
