@@ -1,0 +1,75 @@
+"""The compiled CPU kernels built for a CPU without AVX-512 (``-march=x86-64-v2``): the
+paths the build machine's own flags skip (fastcpu.c's AVX-512 VBMI byte permutations of
+the 3/5/6/7-bit streams have a scalar twin) give the reference's bytes too."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+from lightning_acgc.kernels.bounded.reference import bounded_encode_ref
+from lightning_acgc.kernels.common import cpu_lib
+from lightning_acgc.kernels.quant.reference import quant_decode_ref, quant_encode_ref
+
+pytestmark = pytest.mark.skipif(
+    cpu_lib.cpu_library() is None or platform.machine() not in ("x86_64", "AMD64"),
+    reason="needs a C compiler and an x86-64 host",
+)
+
+
+@pytest.fixture(scope="module")
+def portable_library(tmp_path_factory):
+    """The kernels compiled with ``-march=x86-64-v2`` into a fresh cache, in use by the
+    quant and bounded CPU paths for the tests of this module."""
+    patch = pytest.MonkeyPatch()
+    flags = [f if f != "-march=native" else "-march=x86-64-v2" for f in cpu_lib._FLAGS]
+    assert flags != cpu_lib._FLAGS  # the native build names -march=native
+    patch.setattr(cpu_lib, "_FLAGS", flags)
+    patch.setenv("LIGHTNING_ACGC_CACHE", str(tmp_path_factory.mktemp("portable")))
+    lib = cpu_lib.cpu_library.__wrapped__()
+    assert lib is not None
+    import lightning_acgc.kernels.bounded.cpu as bounded_cpu
+    import lightning_acgc.kernels.quant.cpu as quant_cpu
+
+    for module in (quant_cpu, bounded_cpu):
+        patch.setattr(module, "cpu_library", lambda: lib)
+    yield lib
+    patch.undo()
+
+
+def _relu_tensor() -> torch.Tensor:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(70001, generator=g)  # whole CHUNKs, 64-byte blocks and an odd tail
+    x[:30000] = x[:30000].relu()
+    return x
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_portable_quant_matches_reference(portable_library, bits: int) -> None:
+    from lightning_acgc.kernels.quant.cpu import quant_decode_cpu, quant_encode_cpu
+
+    x = _relu_tensor()
+    for group_size in (64, 256, 4096):
+        ref = quant_encode_ref(x, bits, group_size, seed=5, meta="bf16")
+        got = quant_encode_cpu(x, bits, group_size, seed=5, meta="bf16")
+        assert ref.keys() == got.keys()
+        for k in ref:
+            a, b = (t.reshape(-1).view(torch.uint8) for t in (ref[k], got[k]))
+            assert ref[k].dtype == got[k].dtype and torch.equal(a, b), k
+        out = quant_decode_cpu(ref, bits, group_size, x.numel(), torch.float32)
+        expected = quant_decode_ref(ref, bits, group_size, x.numel(), torch.float32)
+        assert torch.equal(out, expected)
+
+
+def test_portable_bounded_matches_reference(portable_library) -> None:
+    from lightning_acgc.kernels.bounded.cpu import bounded_encode_cpu
+
+    x = _relu_tensor() * 3.0
+    ref = bounded_encode_ref(x, 1e-2, 256, relative=True)
+    got = bounded_encode_cpu(x, 1e-2, 256, relative=True)
+    assert ref.keys() == got.keys()
+    for k in ref:  # NaN-safe where a view as bytes is possible (0-d bounds compare as is)
+        a, b = (t.reshape(-1).view(torch.uint8) for t in (ref[k], got[k]))
+        assert ref[k].dtype == got[k].dtype and torch.equal(a, b), k
