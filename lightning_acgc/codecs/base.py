@@ -69,7 +69,11 @@ class Packed:
         """Bytes held by the payload tensors (distinct storages counted once)."""
         seen: dict[int, int] = {}
         for t in self.payload.values():
-            seen[t.untyped_storage().data_ptr()] = storage_nbytes(t)
+            if t.is_sparse:
+                seen[id(t)] = storage_nbytes(t)
+            else:  # one storage object a tensor (this runs for every saved tensor)
+                storage = t.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
         return sum(seen.values())
 
     @property

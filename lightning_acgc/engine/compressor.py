@@ -104,6 +104,9 @@ class ActivationCompressor:
         self._int_codec = IntPackCodec(IntPackConfig())  # integers: lossless
         # the engine's own codecs, described without asking the policy
         self._fixed_settings = {id(self._mask_codec): "1 bit", id(self._int_codec): "lossless"}
+        # the policy's text of each codec it hands out (configs are frozen): once per codec
+        # (describing a config's fields each save was 10% of a compressed tensor's host time)
+        self._described: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._resident: set[int] = set()
         self._ledger = Ledger(self.stats, self._check_budget)
         # small float tensors, encoded in chunks
@@ -206,6 +209,19 @@ class ActivationCompressor:
         rec.count += 1
         return rec
 
+    def _settings_of(self, codec: Codec) -> str:
+        """The text of ``codec``'s settings for the site table: the engine's own, or the
+        policy's, asked once per codec object."""
+        text = self._fixed_settings.get(id(codec))
+        if text is None:
+            try:
+                text = self._described.get(codec)
+                if text is None:
+                    text = self._described[codec] = self.policy.describe(codec)
+            except TypeError:  # a codec without weak references: described each time
+                text = self.policy.describe(codec)
+        return text
+
     def _check_budget(self, nbytes: int) -> None:
         if self.memory_budget is not None:
             need = self.budget_base + self.stats.live_bytes + nbytes
@@ -234,8 +250,7 @@ class ActivationCompressor:
         detached = t.detach()
         part, layout = compact(detached)
         saved = Saved(None, None, site.key, codec.name, raw=detached, layout=layout)
-        settings = self._fixed_settings.get(id(codec)) or self.policy.describe(codec)
-        self._record(site, t, codec.name, settings, raw, 0)
+        self._record(site, t, codec.name, self._settings_of(codec), raw, 0)
         self._dedup[key] = (ref, weakref.ref(saved))
         saved.chunk, saved.member = self._small.join(
             saved, site.key, t, part, ref, codec, lambda: self._seed_for(site)
@@ -329,8 +344,7 @@ class ActivationCompressor:
         self.stats.tensors_packed += 1
         self.stats.packed_bytes += nbytes
         self._dedup[key] = (ref, weakref.ref(saved))
-        settings = self._fixed_settings.get(id(codec)) or self.policy.describe(codec)
-        self._record(site, t, codec.name, settings, raw, nbytes)
+        self._record(site, t, codec.name, self._settings_of(codec), raw, nbytes)
         if self.packed_log is not None:
             self.packed_log.append(packed)
         return saved
