@@ -1420,14 +1420,12 @@ void acgc_intpack_unpack(const uint8_t *bits, int64_t n, int64_t gs, const int64
  * s*i*win + s*j of output (i, j) in (planes, h, w) (intpack/window.py's format) ---- */
 
 /* The offsets of the len values at x (k0 .. k0 + len of the flat tensor, len <= INT_BLOCK)
- * into rr and rc: u = x - corner + win / 2 (mod 2**64), rr = floor(u / win) counted by
- * comparisons (no division or multiply: rr in [-2, 2], a window of up to 5 rows), rc = u -
- * win / 2 - rr * win, both in int32 (win < 2**28, which the caller checks). Walks row by
- * row so that the inner loops have no branch and vectorize. Returns 0 where some u is
- * outside [-2 * win, 3 * win). */
+ * into u: u = x - corner + win / 2 (mod 2**64) in int32 (win < 2**28, which the caller
+ * checks); window_split makes rr = floor(u / win) and rc = u - win / 2 - rr * win of it.
+ * Walks row by row so that the inner loops have no branch and vectorize. Returns 0 where
+ * some u is outside [-2 * win, 3 * win). */
 static int window_offsets(const int64_t *restrict x, int64_t k0, int64_t len, int64_t h,
-                          int64_t w, int64_t s, int64_t win, int32_t *restrict rr,
-                          int32_t *restrict rc) {
+                          int64_t w, int64_t s, int64_t win, int32_t *restrict rc) {
     int64_t rem = k0 % (h * w), i = rem / w, j = rem % w, half = win / 2;
     int64_t lo = -2 * win, hi = 3 * win;
     int bad = 0;
@@ -1445,14 +1443,16 @@ static int window_offsets(const int64_t *restrict x, int64_t k0, int64_t len, in
         j = 0;
         i = i + 1 == h ? 0 : i + 1;
     }
-    int32_t v = (int32_t)win, hv = (int32_t)half;
-    for (int64_t t = 0; t < len; t++) { /* the whole block at once: long vector loops */
-        int32_t u = rc[t];
-        int32_t a = u >= -v, b = u >= 0, c = u >= v, e = u >= 2 * v;
-        rr[t] = a + b + c + e - 2;
-        rc[t] = u - hv + 2 * v - (a ? v : 0) - (b ? v : 0) - (c ? v : 0) - (e ? v : 0);
-    }
     return !bad;
+}
+
+/* The row offset rr = floor(u / win) of u in [-2 * win, 3 * win), counted by comparisons
+ * (no division or multiply: rr in [-2, 2], a window of up to 5 rows), and the column
+ * offset rc = u - win / 2 - rr * win. */
+static inline void window_split(int32_t u, int32_t v, int32_t hv, int32_t *rr, int32_t *rc) {
+    int32_t a = u >= -v, b = u >= 0, c = u >= v, e = u >= 2 * v;
+    *rr = a + b + c + e - 2;
+    *rc = u - hv + 2 * v - (a ? v : 0) - (b ? v : 0) - (c ? v : 0) - (e ? v : 0);
 }
 
 /* The codes ((rr - mr) << kb) | (rc - mc) of the n values as a width-bit stream into out
@@ -1471,17 +1471,19 @@ int acgc_window_pack(const int64_t *x, int64_t n, int64_t h, int64_t w, int64_t 
     reduction(min : lo_r, lo_c) reduction(max : hi_r, hi_c) reduction(&& : ok)
     for (int64_t b = 0; b < blocks; b++) {
         int64_t i0 = b * INT_BLOCK, len = i0 + INT_BLOCK < n ? INT_BLOCK : n - i0;
-        int32_t rr[INT_BLOCK], rc[INT_BLOCK];
+        int32_t u[INT_BLOCK];
         uint32_t r[INT_BLOCK + 8];
-        ok = window_offsets(x + i0, i0, len, h, w, s, win, rr, rc) && ok;
+        ok = window_offsets(x + i0, i0, len, h, w, s, win, u) && ok;
         int32_t a = INT32_MAX, bb = INT32_MIN, c = INT32_MAX, e = INT32_MIN;
-        int32_t mr32 = (int32_t)mr, mc32 = (int32_t)mc;
-        for (int64_t t = 0; t < len; t++) {
-            a = rr[t] < a ? rr[t] : a;
-            bb = rr[t] > bb ? rr[t] : bb;
-            c = rc[t] < c ? rc[t] : c;
-            e = rc[t] > e ? rc[t] : e;
-            r[t] = ((uint32_t)(rr[t] - mr32) << kb) | (uint32_t)(rc[t] - mc32);
+        int32_t mr32 = (int32_t)mr, mc32 = (int32_t)mc, v = (int32_t)win, hv = (int32_t)(win / 2);
+        for (int64_t t = 0; t < len; t++) { /* the offsets, their ranges and codes at once */
+            int32_t rr, rc;
+            window_split(u[t], v, hv, &rr, &rc);
+            a = rr < a ? rr : a;
+            bb = rr > bb ? rr : bb;
+            c = rc < c ? rc : c;
+            e = rc > e ? rc : e;
+            r[t] = ((uint32_t)(rr - mr32) << kb) | (uint32_t)(rc - mc32);
         }
         lo_r = a < lo_r ? a : lo_r;
         hi_r = bb > hi_r ? bb : hi_r;
