@@ -174,6 +174,14 @@ class Chunk:
             self.remaining = self.expected
         return flat[offset : offset + numel]
 
+    def peek(self, offset: int, numel: int) -> torch.Tensor:
+        """The values :meth:`take` gives, without using up an unpack."""
+        assert self.packed is not None
+        flat = self.decoded
+        if flat is None:
+            flat = self.codec.decode(self.packed).reshape(-1)
+        return flat[offset : offset + numel]
+
 
 def _span(m: Member, align: int) -> int:
     return -(-m.numel // align) * align

@@ -16,7 +16,7 @@ from torch import nn
 from lightning_acgc.codecs.base import Codec, Packed
 from lightning_acgc.codecs.intpack import IntPackCodec, IntPackConfig
 from lightning_acgc.codecs.mask import MaskCodec, MaskConfig
-from lightning_acgc.engine import sites
+from lightning_acgc.engine import exact, sites
 from lightning_acgc.engine.checks import PendingChecks
 from lightning_acgc.engine.coalesce import Coalescer
 from lightning_acgc.engine.layout import compact
@@ -113,6 +113,9 @@ class ActivationCompressor:
         self._small = Coalescer(self._ledger, self.stats, self._codec_failed, self.packed_log)
         self._checks = PendingChecks(self._recharge)  # encodes whose device check is out
         self._dedup: dict[tuple, tuple[Any, weakref.ReferenceType]] = {}
+        # the tensor saved last and what the engine returned for it: a reduction result
+        # saved next may need it (lightning_acgc.engine.exact)
+        self._last: tuple[weakref.ReferenceType, weakref.ReferenceType] | None = None
         self._site_hash: dict[str, int] = {}
         self._warned: set[str] = set()
         self._paused = 0
@@ -135,6 +138,7 @@ class ActivationCompressor:
         self._checks.settle_all()
         self._small.close("engine removed")
         self._dedup.clear()
+        self._last = None
         self._ledger.new_step()
         self._installed = False
 
@@ -155,6 +159,7 @@ class ActivationCompressor:
         self.tracker.new_step()
         self._small.close("step ended")
         self._dedup.clear()
+        self._last = None
         self._ledger.new_step()
         if self.packed_log is not None:
             self.packed_log.clear()
@@ -278,6 +283,26 @@ class ActivationCompressor:
         return saved
 
     def _pack(self, t: torch.Tensor) -> Any:
+        held = self._pack_one(t)
+        # weakly: a graph freed early releases its holders at once (the ledger counts them)
+        self._last = (weakref.ref(t), weakref.ref(held)) if isinstance(held, Saved) else None
+        return held
+
+    def _comparing(self, site: SiteInfo, t: torch.Tensor, key: tuple, ref: Any, raw: int) -> Any:
+        """A reduction result its backward compares with its input (amax, ...; see
+        :mod:`lightning_acgc.engine.exact`): recomputed at unpack from what its input's
+        holder unpacks (nothing stored), or kept as it is where that input is not ours."""
+        last = self._last
+        holder = last[1]() if last is not None else None
+        fn = exact.recompute_fn(t, last[0]()) if holder is not None else None
+        if fn is None:
+            return self._keep(site, t, key, ref, raw, "compared by its backward")
+        saved = Saved(None, None, site.key, "recomputed", source=holder, recompute=fn)
+        self._dedup[key] = (ref, weakref.ref(saved))
+        self._record(site, t, "recomputed", f"from {holder.site}", raw, 0)
+        return saved
+
+    def _pack_one(self, t: torch.Tensor) -> Any:
         if self._paused or t.layout != torch.strided or t.device.type == "meta":
             return t
         if t.requires_grad and is_leaf_parameter(t):
@@ -303,6 +328,8 @@ class ActivationCompressor:
             return saved
         if not t.is_floating_point() and getattr(self.policy, "control", False):
             return self._keep(site, t, key, ref, raw, "control")  # identity: nothing compressed
+        if t.grad_fn is not None and type(t.grad_fn).__name__ in exact.COMPARING_NODES:
+            return self._comparing(site, t, key, ref, raw)
         if t.dtype == torch.bool:
             if not self.compress_masks or t.numel() < self.min_numel:
                 return self._keep(site, t, key, ref, raw, "bool")

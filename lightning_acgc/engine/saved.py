@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from lightning_acgc.codecs.base import Codec, Packed
@@ -22,6 +24,10 @@ class Saved:
     decoded tensor until the last of those unpacks (or until the graph is freed, if some
     op never unpacks it). The decoded tensor has the sizes and strides that autograd saved
     (``layout``; see :mod:`lightning_acgc.engine.layout`).
+
+    A reduction result whose backward compares it with its input (``amax`` and the
+    others of :mod:`lightning_acgc.engine.exact`) stores nothing: ``recompute`` makes it
+    from the values its input's holder ``source`` unpacks (:meth:`peek`).
     """
 
     __slots__ = (
@@ -35,7 +41,9 @@ class Saved:
         "packed",
         "pending",
         "raw",
+        "recompute",
         "site",
+        "source",
     )
 
     def __init__(
@@ -46,6 +54,8 @@ class Saved:
         name: str,
         raw: torch.Tensor | None = None,
         layout: Layout | None = None,
+        source: Saved | None = None,
+        recompute: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.packed = packed
         self.codec = codec
@@ -57,10 +67,15 @@ class Saved:
         self.decoded: torch.Tensor | None = None
         self.chunk: Chunk | None = None  # a small tensor encoded with others
         self.member: Member | None = None
+        self.source = source
+        self.recompute = recompute
 
     def unpack(self) -> torch.Tensor:
         if self.raw is not None:
             return self.raw
+        if self.recompute is not None:
+            assert self.source is not None
+            return self.recompute(self.source.peek())
         if self.chunk is not None:
             m = self.member
             assert m is not None
@@ -71,4 +86,24 @@ class Saved:
             out = restore(self.codec.decode(self.packed), self.layout)
         self.pending -= 1
         self.decoded = out if self.pending > 0 else None
+        return out
+
+    def peek(self) -> torch.Tensor:
+        """The values :meth:`unpack` gives, without using up an unpack (for a result
+        recomputed from them); a decoded tensor is kept for the unpacks still to come."""
+        if self.raw is not None:
+            return self.raw
+        if self.recompute is not None:
+            assert self.source is not None
+            return self.recompute(self.source.peek())
+        if self.chunk is not None:
+            m = self.member
+            assert m is not None
+            return restore(self.chunk.peek(m.offset, m.numel).view(m.shape), self.layout)
+        assert self.codec is not None and self.packed is not None
+        out = self.decoded
+        if out is None:
+            out = restore(self.codec.decode(self.packed), self.layout)
+            if self.pending > 0:
+                self.decoded = out
         return out
