@@ -106,3 +106,43 @@ def test_acgc_few_hundred_steps(case: str) -> None:
     # error); there only the ratio's monotonicity and the final loss are asserted.
     near = case in NEAR_PROMISE
     _run(case, steps=300, every=10, errors=(0.01, 0.05, 0.2), promise_up_to=0.05, near=near)
+
+
+class _OtherNames(nn.Module):
+    """A model whose modules the TinyMLP's sites do not name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(32, 48), nn.Tanh(), nn.Linear(48, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def test_acgc_callback_reused_for_another_model() -> None:
+    """The same callback in fits of two models: the second starts afresh (the first's
+    site widths made its log raise KeyError and took budget from the new sites), while
+    a model of the same modules keeps what was learned."""
+    from lightning_acgc import ActivationCompression
+    from tests._lightning_models import TinyMLP, fit
+
+    class Other(TinyMLP):
+        def __init__(self) -> None:
+            super().__init__(samples=64, batch_size=8)
+            del self.net
+            self.body = _OtherNames().body
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(x)
+
+    cb = ActivationCompression(policy="acgc", min_numel=0, print_table=False)
+    fit(TinyMLP(samples=64, batch_size=8), [cb], max_steps=4)
+    policy = cb.policy
+    first = set(policy.site_bits)
+    assert first and all(k.startswith("net") for k in first)
+    kappa = policy.kappa
+    policy.forget_other_model(TinyMLP(samples=64, batch_size=8))  # same modules: kept
+    assert policy.kappa == kappa and set(policy.site_bits) == first
+    fit(Other(), [cb], max_steps=4)
+    assert cb.policy is policy and policy.site_bits
+    assert all(k.startswith("body") for k in policy.site_bits)

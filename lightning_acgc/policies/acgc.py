@@ -161,6 +161,7 @@ class ACGCPolicy(
         noise_floor: float | None = None,
         config: CodecSpec | None = None,
     ) -> None:
+        self._arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         if gradient_error is None and noise_ratio is None:
             gradient_error = 0.05
         check_budget_options(gradient_error, noise_ratio, noise_floor)
@@ -223,6 +224,7 @@ class ACGCPolicy(
         self._mark = 0.0  # time of the last calibration event
         self._calib_s = 0.0
         self._step_s: float | None = None  # an ordinary step's time (between the hooks)
+        self._modules: tuple[tuple[str, str], ...] | None = None  # of the model set up last
 
     # -- codecs ---------------------------------------------------------------
     def codec_for(self, site: SiteInfo, x: torch.Tensor) -> Codec | None:
@@ -323,6 +325,7 @@ class ACGCPolicy(
         return [*self.stats.fan_in, *self._norm_params]
 
     def setup(self, model: nn.Module) -> None:
+        self.forget_other_model(model)
         super().setup(model)
         on_cuda = any(p.is_cuda for p in model.parameters())
         self._meta_bits = self._group_meta_bits("cuda" if on_cuda else "cpu")

@@ -7,6 +7,8 @@ import dataclasses
 from collections import deque
 from typing import Any
 
+from torch import nn
+
 from lightning_acgc.codecs.base import Codec
 from lightning_acgc.engine.meter import SiteRecord
 from lightning_acgc.policies.bit_allocation import KEEP, LADDER
@@ -20,6 +22,16 @@ class ACGCState:
 
     history: int
     codec: str
+
+    def forget_other_model(self, model: nn.Module) -> None:
+        """Start afresh where ``model`` is not the model this policy was set up with last
+        (the same callback in a fit of another model): what it learned is per site and
+        module of that model; its stale sites took budget from the new ones and broke the
+        log. The same model (by module names and types) keeps it."""
+        modules = tuple((name, type(m).__name__) for name, m in model.named_modules())
+        if self._modules is not None and modules != self._modules:
+            self.__init__(**self._arguments)  # type: ignore[misc]
+        self._modules = modules
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -88,6 +100,7 @@ class ACGCState:
         }
         self._probed_at = {c: int(n) for c, n in state.get("probed_at", {}).items()}
         self._probe_count = int(state.get("probe_count", 0))
+        self._modules = None  # the state of the model being resumed, whichever was set up
 
     def site_settings(self) -> dict[str, str]:
         if self.codec == "bounded":
