@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_acgc import compress_activations
-from lightning_acgc.engine.exact import recompute_fn
+from lightning_acgc.engine.exact import recompute_fn, recompute_plan
 
 REDUCTIONS = {
     "amax_dim": lambda t: t.amax(-1),
@@ -24,6 +24,16 @@ REDUCTIONS = {
     "nanmedian": lambda t: t.nanmedian(),
     "inf_norm": lambda t: torch.linalg.vector_norm(t, float("inf"), dim=-1),
     "neg_inf_norm": lambda t: torch.linalg.vector_norm(t, float("-inf")),
+    # a GNN's max aggregation: messages (rows of the middle dimension) into 4 nodes
+    "scatter_amax": lambda t: torch.zeros(8, 4, 16).scatter_reduce_(
+        1, (torch.arange(12) % 4).view(1, 12, 1).expand(8, 12, 16), t, "amax", include_self=False
+    ),
+    "scatter_amin_self": lambda t: t[:, :4].scatter_reduce(
+        1, (torch.arange(12) % 4).view(1, 12, 1).expand(8, 12, 16), t, "amin"
+    ),
+    "index_amax": lambda t: torch.zeros(8, 4, 16).index_reduce_(
+        1, torch.arange(12) % 4, t, "amax", include_self=False
+    ),
 }
 
 
@@ -143,3 +153,44 @@ def test_recompute_pairs_only_the_reductions_own_input() -> None:
     nan[0, 0] = float("nan")
     assert recompute_fn(nan.amax(1), nan) is None  # NaN != NaN: the result is kept
     assert recompute_fn(x.amax(), x) is not None  # a leaf's reduction
+
+
+def test_scatter_plan_takes_index_self_and_src() -> None:
+    src = torch.randn(6, 2, requires_grad=True) * 1
+    index = torch.tensor([0, 1, 0, 1, 0, 1])[:, None].expand(6, 2)
+    start = torch.zeros(2, 2)
+    out = start.scatter_reduce(0, index, src, "amax")
+    assert recompute_plan(out, [index, start, src])[1] == 3
+    assert recompute_plan(out, [start, index, src]) is None  # not its index
+    assert recompute_plan(out, [index, start, None]) is None  # an input no longer alive
+    summed = start.scatter_reduce(0, index, src, "sum")
+    assert recompute_plan(summed, [index, start, src]) is None  # a sum compares nothing
+
+
+def test_a_site_that_does_not_recur_under_acgc() -> None:
+    """acgc calibrating every step on a model whose second layer runs on even steps only
+    (its site's width stays in the policy's table; the log read it from the step's sites
+    and raised KeyError). The error of such a step is not promised: the settings come
+    from the sites of the step before."""
+    from lightning_acgc import ActivationCompressor, build_policy, compressed_step
+    from lightning_acgc.engine.settings import EngineSettings
+
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.Tanh())
+    head = nn.Linear(64, 1)
+    policy = build_policy("acgc", warmup_steps=6)
+    engine = ActivationCompressor(policy, model=model, settings=EngineSettings(min_numel=0))
+    engine.install()
+    policy.setup(model)
+    x = torch.randn(32, 16)
+    try:
+        for step in range(6):
+            layers = model if step % 2 == 0 else model[:2]
+            loss = lambda f=layers: head(f(x)[:, :64]).square().mean()
+            compressed_step(engine, model, loss, step)
+            assert all(
+                torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None
+            )
+        assert "avg_bits" in policy.metrics()
+    finally:
+        engine.remove()
+        policy.teardown()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import warnings
@@ -113,9 +114,10 @@ class ActivationCompressor:
         self._small = Coalescer(self._ledger, self.stats, self._codec_failed, self.packed_log)
         self._checks = PendingChecks(self._recharge)  # encodes whose device check is out
         self._dedup: dict[tuple, tuple[Any, weakref.ReferenceType]] = {}
-        # the tensor saved last and what the engine returned for it: a reduction result
-        # saved next may need it (lightning_acgc.engine.exact)
-        self._last: tuple[weakref.ReferenceType, weakref.ReferenceType] | None = None
+        # the tensors saved last and what the engine returned for them (None: the tensor
+        # itself), oldest first: a reduction result saved next may need them
+        # (lightning_acgc.engine.exact)
+        self._recent: collections.deque = collections.deque(maxlen=3)
         self._site_hash: dict[str, int] = {}
         self._warned: set[str] = set()
         self._paused = 0
@@ -138,7 +140,7 @@ class ActivationCompressor:
         self._checks.settle_all()
         self._small.close("engine removed")
         self._dedup.clear()
-        self._last = None
+        self._recent.clear()
         self._ledger.new_step()
         self._installed = False
 
@@ -159,7 +161,7 @@ class ActivationCompressor:
         self.tracker.new_step()
         self._small.close("step ended")
         self._dedup.clear()
-        self._last = None
+        self._recent.clear()
         self._ledger.new_step()
         if self.packed_log is not None:
             self.packed_log.clear()
@@ -285,21 +287,25 @@ class ActivationCompressor:
     def _pack(self, t: torch.Tensor) -> Any:
         held = self._pack_one(t)
         # weakly: a graph freed early releases its holders at once (the ledger counts them)
-        self._last = (weakref.ref(t), weakref.ref(held)) if isinstance(held, Saved) else None
+        holder = weakref.ref(held) if isinstance(held, Saved) else None
+        self._recent.append((weakref.ref(t), holder))
         return held
 
     def _comparing(self, site: SiteInfo, t: torch.Tensor, key: tuple, ref: Any, raw: int) -> Any:
-        """A reduction result its backward compares with its input (amax, ...; see
-        :mod:`lightning_acgc.engine.exact`): recomputed at unpack from what its input's
-        holder unpacks (nothing stored), or kept as it is where that input is not ours."""
-        last = self._last
-        holder = last[1]() if last is not None else None
-        fn = exact.recompute_fn(t, last[0]()) if holder is not None else None
-        if fn is None:
+        """A reduction result its backward compares with its inputs (amax, ...; see
+        :mod:`lightning_acgc.engine.exact`): recomputed at unpack from what its inputs'
+        holders unpack (nothing stored), or kept as it is where they are not found."""
+        recent = [(tensor(), holder) for tensor, holder in self._recent]
+        plan = exact.recompute_plan(t, [tensor for tensor, _ in recent])
+        sources = []
+        for tensor, holder in recent[len(recent) - plan[1] :] if plan else ():
+            sources.append(tensor if holder is None else holder())
+        if plan is None or any(s is None for s in sources):
             return self._keep(site, t, key, ref, raw, "compared by its backward")
-        saved = Saved(None, None, site.key, "recomputed", source=holder, recompute=fn)
+        saved = Saved(None, None, site.key, "recomputed", sources=tuple(sources), recompute=plan[0])
         self._dedup[key] = (ref, weakref.ref(saved))
-        self._record(site, t, "recomputed", f"from {holder.site}", raw, 0)
+        named = [s.site for s in sources if isinstance(s, Saved)]
+        self._record(site, t, "recomputed", f"from {', '.join(named) or 'its inputs'}", raw, 0)
         return saved
 
     def _pack_one(self, t: torch.Tensor) -> Any:

@@ -1,18 +1,20 @@
 """Reductions whose backward finds the reduced elements by comparing values.
 
 ``amax``, ``amin``, ``max()`` and ``min()`` over the whole tensor, ``median()``,
-``nanmedian()`` and the ∞-norms save their input and their result, and their backward
+``nanmedian()``, the ∞-norms, and ``scatter_reduce``/``index_reduce`` with ``amax`` or
+``amin`` (a GNN's max aggregation) save their inputs and their result, and their backward
 routes the gradient to the input elements *equal* to the result (``amax``'s backward is
 ``grad · (x == result) / count``). Compressed apart, the decoded input holds no element
 equal to the decoded (or kept) result: the count is 0 and the gradient NaN. A hand-written
-stable softmax (``s - s.amax(-1, keepdim=True)``) gave NaN query and key gradients under
-4-bit quantization.
+stable softmax (``s - s.amax(-1, keepdim=True)``) and a GraphSAGE with max aggregation
+gave NaN gradients under 4-bit quantization.
 
 So the engine never stores such a result: it is recomputed at unpack from the values its
-input's holder unpacks (:func:`recompute_fn`), the same reduction of the same values,
-so the comparison finds the maxima of what backward is given. Autograd saves the input
-first and the result right after; the engine pairs them (the result's node takes the
-input as its only input, and the reduction of that input equals the result).
+inputs' holders unpack (:func:`recompute_plan`), the same reduction of the same values,
+so the comparison finds the maxima of what backward is given. Autograd saves the inputs
+first (``scatter_reduce``: index, self, src) and the result right after; the engine pairs
+them: the inputs are the node's (by the graph's edges) and the reduction of them equals
+the result.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["COMPARING_NODES", "recompute_fn"]
+__all__ = ["COMPARING_NODES", "recompute_fn", "recompute_plan"]
 
 # autograd nodes of the reductions above (MaxBackward0/MinBackward0, with ``dim``, save
 # indices instead and need nothing)
@@ -34,8 +36,11 @@ COMPARING_NODES = frozenset(
         "MedianBackward0",
         "NanmedianBackward0",
         "LinalgVectorNormBackward0",  # with ord ±inf only (its other orders do not compare)
+        "ScatterReduceBackward0",  # these two with reduce amax or amin only
+        "IndexReduceBackward0",
     }
 )
+_SCATTERS = {"ScatterReduceBackward0": "scatter_reduce", "IndexReduceBackward0": "index_reduce"}
 
 
 def _dims(saved: object) -> tuple[int, ...] | None:
@@ -105,3 +110,52 @@ def recompute_fn(
     if not (exact and torch.equal(again, result.detach())):
         return None  # e.g. NaN in the result (never equal to itself): keep the result
     return fn
+
+
+def _scatter(node: object) -> Callable[..., torch.Tensor] | None:
+    """``(index, self, src) -> result`` of a scatter or index reduction by amax or amin."""
+    reduce = node._saved_reduce  # type: ignore[attr-defined]
+    if reduce not in ("amax", "amin"):
+        return None
+    method, dim = _SCATTERS[type(node).__name__], int(node._saved_dim)  # type: ignore[attr-defined]
+    include_self = bool(node._saved_include_self)  # type: ignore[attr-defined]
+
+    def fn(index: torch.Tensor, values: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        return getattr(values, method)(dim, index, src, reduce, include_self=include_self)
+
+    return fn
+
+
+def recompute_plan(
+    result: torch.Tensor, recent: list[torch.Tensor | None]
+) -> tuple[Callable[..., torch.Tensor], int] | None:
+    """``(fn, k)``: ``result``, the output of a reduction in :data:`COMPARING_NODES`, is
+    ``fn`` of the last ``k`` tensors saved before it (``recent``, oldest first; None for
+    one no longer alive); None where it is not such a result or they are not its inputs.
+
+    Example:
+        >>> src = torch.randn(6, 2, requires_grad=True) * 1
+        >>> index = torch.tensor([0, 1, 0, 1, 0, 1])[:, None].expand(6, 2)
+        >>> start = torch.zeros(2, 2)
+        >>> out = start.scatter_reduce(0, index, src, "amax")
+        >>> fn, k = recompute_plan(out, [index, start, src])
+        >>> k, torch.equal(fn(index, start, src.detach()), out.detach())
+        (3, True)
+    """
+    node = result.grad_fn
+    if node is None or type(node).__name__ not in _SCATTERS:
+        fn = recompute_fn(result, recent[-1] if recent else None)
+        return None if fn is None else (fn, 1)
+    fn = _scatter(node)
+    if fn is None or len(recent) < 3 or any(t is None for t in recent[-3:]):
+        return None
+    index, values, src = recent[-3:]
+    edges = node.next_functions  # type: ignore[attr-defined]
+    own = src.grad_fn is not None and edges and edges[-1][0] is src.grad_fn
+    if index.is_floating_point() or not own:
+        return None
+    with torch.no_grad():
+        again = fn(index, values.detach(), src.detach())
+    if again.shape != result.shape or not torch.equal(again, result.detach()):
+        return None
+    return fn, 3

@@ -25,9 +25,10 @@ class Saved:
     op never unpacks it). The decoded tensor has the sizes and strides that autograd saved
     (``layout``; see :mod:`lightning_acgc.engine.layout`).
 
-    A reduction result whose backward compares it with its input (``amax`` and the
+    A reduction result whose backward compares it with its inputs (``amax`` and the
     others of :mod:`lightning_acgc.engine.exact`) stores nothing: ``recompute`` makes it
-    from the values its input's holder ``source`` unpacks (:meth:`peek`).
+    from the values its inputs' holders ``sources`` unpack (:meth:`peek`; a tensor the
+    engine handed back as it is stands for itself).
     """
 
     __slots__ = (
@@ -43,7 +44,7 @@ class Saved:
         "raw",
         "recompute",
         "site",
-        "source",
+        "sources",
     )
 
     def __init__(
@@ -54,8 +55,8 @@ class Saved:
         name: str,
         raw: torch.Tensor | None = None,
         layout: Layout | None = None,
-        source: Saved | None = None,
-        recompute: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        sources: tuple[Saved | torch.Tensor, ...] = (),
+        recompute: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         self.packed = packed
         self.codec = codec
@@ -67,15 +68,14 @@ class Saved:
         self.decoded: torch.Tensor | None = None
         self.chunk: Chunk | None = None  # a small tensor encoded with others
         self.member: Member | None = None
-        self.source = source
+        self.sources = sources
         self.recompute = recompute
 
     def unpack(self) -> torch.Tensor:
         if self.raw is not None:
             return self.raw
         if self.recompute is not None:
-            assert self.source is not None
-            return self.recompute(self.source.peek())
+            return self.recompute(*(_peek(s) for s in self.sources))
         if self.chunk is not None:
             m = self.member
             assert m is not None
@@ -94,8 +94,7 @@ class Saved:
         if self.raw is not None:
             return self.raw
         if self.recompute is not None:
-            assert self.source is not None
-            return self.recompute(self.source.peek())
+            return self.recompute(*(_peek(s) for s in self.sources))
         if self.chunk is not None:
             m = self.member
             assert m is not None
@@ -107,3 +106,7 @@ class Saved:
             if self.pending > 0:
                 self.decoded = out
         return out
+
+
+def _peek(source: Saved | torch.Tensor) -> torch.Tensor:
+    return source.peek() if isinstance(source, Saved) else source

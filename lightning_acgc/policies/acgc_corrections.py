@@ -210,7 +210,12 @@ class ModelCorrections:
         m["error_target"] = self.error_target
         if self.codec == "quant" and self._structure:
             split = self.site_split
-            widths = [(self._structure[k], b - split.get(k, 0)) for k, b in self.site_bits.items()]
+            structure = self._structure  # this step's sites (a site may not recur)
+            widths = [
+                (structure[k], b - split.get(k, 0))
+                for k, b in self.site_bits.items()
+                if k in structure
+            ]
             sized = [(math.prod(r.shape), 32 if b == KEEP else b) for r, b in widths if r.shape]
             if sized:
                 m["avg_bits"] = sum(n * b for n, b in sized) / sum(n for n, _ in sized)
