@@ -13,6 +13,12 @@ from torch import nn
 from lightning_acgc import compress_activations
 from lightning_acgc.engine.exact import recompute_fn, recompute_plan
 
+
+def _nodes(t: torch.Tensor) -> torch.Tensor:
+    """Which of 4 nodes each of 12 messages goes to."""
+    return torch.arange(12, device=t.device) % 4
+
+
 REDUCTIONS = {
     "amax_dim": lambda t: t.amax(-1),
     "amax_keepdim": lambda t: t.amax((1, 2), keepdim=True),
@@ -25,14 +31,14 @@ REDUCTIONS = {
     "inf_norm": lambda t: torch.linalg.vector_norm(t, float("inf"), dim=-1),
     "neg_inf_norm": lambda t: torch.linalg.vector_norm(t, float("-inf")),
     # a GNN's max aggregation: messages (rows of the middle dimension) into 4 nodes
-    "scatter_amax": lambda t: torch.zeros(8, 4, 16).scatter_reduce_(
-        1, (torch.arange(12) % 4).view(1, 12, 1).expand(8, 12, 16), t, "amax", include_self=False
+    "scatter_amax": lambda t: t.new_zeros(8, 4, 16).scatter_reduce_(
+        1, _nodes(t).view(1, 12, 1).expand(8, 12, 16), t, "amax", include_self=False
     ),
     "scatter_amin_self": lambda t: t[:, :4].scatter_reduce(
-        1, (torch.arange(12) % 4).view(1, 12, 1).expand(8, 12, 16), t, "amin"
+        1, _nodes(t).view(1, 12, 1).expand(8, 12, 16), t, "amin"
     ),
-    "index_amax": lambda t: torch.zeros(8, 4, 16).index_reduce_(
-        1, torch.arange(12) % 4, t, "amax", include_self=False
+    "index_amax": lambda t: t.new_zeros(8, 4, 16).index_reduce_(
+        1, _nodes(t), t, "amax", include_self=False
     ),
 }
 
@@ -47,7 +53,7 @@ class Reduce(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         r = self.reduction(x * self.w)
-        return (r * torch.arange(1.0, r.numel() + 1).view_as(r)).sum()
+        return (r * torch.arange(1.0, r.numel() + 1, device=r.device).view_as(r)).sum()
 
 
 def _inputs() -> torch.Tensor:
@@ -194,3 +200,26 @@ def test_a_site_that_does_not_recur_under_acgc() -> None:
     finally:
         engine.remove()
         policy.teardown()
+
+
+def test_pairing_on_a_device_checks_shapes_only() -> None:
+    """Off the CPU the pairing compares shape and dtype (meta tensors), not values:
+    comparing values would wait for the device at each such save."""
+    from lightning_acgc.engine.exact import _reproduces
+
+    x = torch.randn(4, 8, device="meta")
+    amax = lambda t: t.amax(-1)
+    assert _reproduces(amax, (x,), torch.empty(4, device="meta"))
+    assert not _reproduces(amax, (x,), torch.empty(8, device="meta"))
+    assert not _reproduces(amax, (x,), torch.empty(4, device="meta", dtype=torch.float16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["amax_keepdim", "scatter_amax", "inf_norm"])
+def test_reductions_on_cuda(name: str) -> None:
+    """The recomputed results on a GPU (Triton codecs, deferred checks): finite, and the
+    float16 codec's exact decode gives plain autograd's gradient."""
+    model, x = Reduce(REDUCTIONS[name]).cuda(), _inputs().cuda()
+    plain = _grad(model, x)
+    assert torch.equal(_grad(model, x, codec="half"), plain)
+    assert torch.isfinite(_grad(model, x, codec="quant", bits=2)).all()

@@ -71,6 +71,21 @@ def _reduction(node: object) -> Callable[[torch.Tensor], torch.Tensor] | None:
     return None
 
 
+def _reproduces(
+    fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], result: torch.Tensor
+) -> bool:
+    """Whether ``fn`` of ``inputs`` is ``result``: equal values on the CPU; on a device,
+    equal shape and dtype (from meta tensors: comparing values there would wait for the
+    device at every such save; the graph's edges already name the inputs)."""
+    with torch.no_grad():
+        if result.device.type != "cpu":
+            again = fn(*(t.detach().to("meta") for t in inputs))
+            return again.shape == result.shape and again.dtype == result.dtype
+        again = fn(*(t.detach() for t in inputs))
+    same = again.shape == result.shape and again.dtype == result.dtype
+    return same and torch.equal(again, result.detach())
+
+
 def _is_input_of(node: object, source: torch.Tensor) -> bool:
     """Whether ``source`` is the one input of ``node`` (a graph edge to its node, or to the
     leaf it accumulates into)."""
@@ -104,10 +119,7 @@ def recompute_fn(
     fn = _reduction(node)
     if fn is None or not _is_input_of(node, source):
         return None
-    with torch.no_grad():
-        again = fn(source.detach())
-    exact = again.shape == result.shape and again.dtype == result.dtype
-    if not (exact and torch.equal(again, result.detach())):
+    if not _reproduces(fn, (source,), result):
         return None  # e.g. NaN in the result (never equal to itself): keep the result
     return fn
 
@@ -154,8 +166,6 @@ def recompute_plan(
     own = src.grad_fn is not None and edges and edges[-1][0] is src.grad_fn
     if index.is_floating_point() or not own:
         return None
-    with torch.no_grad():
-        again = fn(index, values.detach(), src.detach())
-    if again.shape != result.shape or not torch.equal(again, result.detach()):
+    if not _reproduces(fn, (index, values, src), result):
         return None
     return fn, 3
