@@ -72,39 +72,29 @@ class Saved:
         self.recompute = recompute
 
     def unpack(self) -> torch.Tensor:
-        if self.raw is not None:
-            return self.raw
-        if self.recompute is not None:
-            return self.recompute(*(_peek(s) for s in self.sources))
-        if self.chunk is not None:
-            m = self.member
-            assert m is not None
-            return restore(self.chunk.take(m.offset, m.numel).view(m.shape), self.layout)
-        assert self.codec is not None and self.packed is not None
-        out = self.decoded
-        if out is None:
-            out = restore(self.codec.decode(self.packed), self.layout)
-        self.pending -= 1
-        self.decoded = out if self.pending > 0 else None
-        return out
+        return self._values(consume=True)
 
     def peek(self) -> torch.Tensor:
         """The values :meth:`unpack` gives, without using up an unpack (for a result
         recomputed from them); a decoded tensor is kept for the unpacks still to come."""
+        return self._values(consume=False)
+
+    def _values(self, consume: bool) -> torch.Tensor:
         if self.raw is not None:
             return self.raw
         if self.recompute is not None:
             return self.recompute(*(_peek(s) for s in self.sources))
         if self.chunk is not None:
-            m = self.member
+            m, chunk = self.member, self.chunk
             assert m is not None
-            return restore(self.chunk.peek(m.offset, m.numel).view(m.shape), self.layout)
+            flat = chunk.take(m.offset, m.numel) if consume else chunk.peek(m.offset, m.numel)
+            return restore(flat.view(m.shape), self.layout)
         assert self.codec is not None and self.packed is not None
         out = self.decoded
         if out is None:
             out = restore(self.codec.decode(self.packed), self.layout)
-            if self.pending > 0:
-                self.decoded = out
+        self.pending -= int(consume)
+        self.decoded = out if self.pending > 0 else None
         return out
 
 

@@ -185,74 +185,28 @@ static inline uint64_t spread8(uint64_t x, int w) {
 }
 
 #if defined(__AVX512VBMI__) && defined(__AVX512BW__)
-/* For width w (row w - 1): stream byte j of eight squeezed words is byte j % w of word
- * j / w (j < 8w; the rest unused), as a permutation of the words' 64 bytes. */
-#define P_(j) ((j) < 8 * W_ ? (j) / W_ * 8 + (j) % W_ : 0)
-#define STREAM_ROW \
-    P_(0), P_(1), P_(2), P_(3), P_(4), P_(5), P_(6), P_(7), P_(8), P_(9), P_(10), P_(11), \
-    P_(12), P_(13), P_(14), P_(15), P_(16), P_(17), P_(18), P_(19), P_(20), P_(21), P_(22), \
-    P_(23), P_(24), P_(25), P_(26), P_(27), P_(28), P_(29), P_(30), P_(31), P_(32), P_(33), \
-    P_(34), P_(35), P_(36), P_(37), P_(38), P_(39), P_(40), P_(41), P_(42), P_(43), P_(44), \
-    P_(45), P_(46), P_(47), P_(48), P_(49), P_(50), P_(51), P_(52), P_(53), P_(54), P_(55), \
-    P_(56), P_(57), P_(58), P_(59), P_(60), P_(61), P_(62), P_(63)
-static const uint8_t STREAM_BYTES[8][64] = {
-#define W_ 1
-    {STREAM_ROW},
-#undef W_
-#define W_ 2
-    {STREAM_ROW},
-#undef W_
-#define W_ 3
-    {STREAM_ROW},
-#undef W_
-#define W_ 4
-    {STREAM_ROW},
-#undef W_
-#define W_ 5
-    {STREAM_ROW},
-#undef W_
-#define W_ 6
-    {STREAM_ROW},
-#undef W_
-#define W_ 7
-    {STREAM_ROW},
-#undef W_
-#define W_ 8
-    {STREAM_ROW},
-#undef W_
-};
-#undef P_
-/* The inverse: byte i of word k (i < w; the rest zeroed by the mask) is stream byte
- * k * w + i. */
-#define P_(j) ((j) % 8 < W_ ? (j) / 8 * W_ + (j) % 8 : 0)
-static const uint8_t WORD_BYTES[8][64] = {
-#define W_ 1
-    {STREAM_ROW},
-#undef W_
-#define W_ 2
-    {STREAM_ROW},
-#undef W_
-#define W_ 3
-    {STREAM_ROW},
-#undef W_
-#define W_ 4
-    {STREAM_ROW},
-#undef W_
-#define W_ 5
-    {STREAM_ROW},
-#undef W_
-#define W_ 6
-    {STREAM_ROW},
-#undef W_
-#define W_ 7
-    {STREAM_ROW},
-#undef W_
-#define W_ 8
-    {STREAM_ROW},
-#undef W_
-};
-#undef STREAM_ROW
-#undef P_
+/* Byte permutations of eight 64-bit words for width w (row w - 1 of each table):
+ * STREAM_BYTES gathers the 8w stream bytes (byte j is byte j % w of word j / w; the rest
+ * unused); WORD_BYTES spreads them back (byte i < w of word k is stream byte k * w + i; the
+ * rest zeroed by the caller's mask). */
+#define STREAM_AT(w, j) ((j) < 8 * (w) ? (j) / (w) * 8 + (j) % (w) : 0)
+#define WORD_AT(w, j) ((j) % 8 < (w) ? (j) / 8 * (w) + (j) % 8 : 0)
+#define ROW(P, w) \
+    {P(w, 0), P(w, 1), P(w, 2), P(w, 3), P(w, 4), P(w, 5), P(w, 6), P(w, 7), \
+    P(w, 8), P(w, 9), P(w, 10), P(w, 11), P(w, 12), P(w, 13), P(w, 14), P(w, 15), \
+    P(w, 16), P(w, 17), P(w, 18), P(w, 19), P(w, 20), P(w, 21), P(w, 22), P(w, 23), \
+    P(w, 24), P(w, 25), P(w, 26), P(w, 27), P(w, 28), P(w, 29), P(w, 30), P(w, 31), \
+    P(w, 32), P(w, 33), P(w, 34), P(w, 35), P(w, 36), P(w, 37), P(w, 38), P(w, 39), \
+    P(w, 40), P(w, 41), P(w, 42), P(w, 43), P(w, 44), P(w, 45), P(w, 46), P(w, 47), \
+    P(w, 48), P(w, 49), P(w, 50), P(w, 51), P(w, 52), P(w, 53), P(w, 54), P(w, 55), \
+    P(w, 56), P(w, 57), P(w, 58), P(w, 59), P(w, 60), P(w, 61), P(w, 62), P(w, 63)}
+#define TABLE(P) {ROW(P, 1), ROW(P, 2), ROW(P, 3), ROW(P, 4), ROW(P, 5), ROW(P, 6), ROW(P, 7), ROW(P, 8)}
+static const uint8_t STREAM_BYTES[8][64] = TABLE(STREAM_AT);
+static const uint8_t WORD_BYTES[8][64] = TABLE(WORD_AT);
+#undef TABLE
+#undef ROW
+#undef WORD_AT
+#undef STREAM_AT
 #endif
 
 /* Codes q[0..len) (len <= CHUNK, a multiple of 8), one per byte, of width w (1..8) as a
