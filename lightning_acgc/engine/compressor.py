@@ -106,7 +106,7 @@ class ActivationCompressor:
         # the engine's own codecs, described without asking the policy
         self._fixed_settings = {id(self._mask_codec): "1 bit", id(self._int_codec): "lossless"}
         # the policy's text of each codec it hands out (configs are frozen): once per codec
-        # (describing a config's fields each save was 10% of a compressed tensor's host time)
+        # (describing a config's fields took 2.5 us a save, the cache 0.15 us)
         self._described: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._resident: set[int] = set()
         self._ledger = Ledger(self.stats, self._check_budget)
