@@ -307,8 +307,32 @@ def test_relu_zeros_exact_positives_positive(dtype: torch.dtype, bits: int) -> N
 def test_zero_mask_only_when_it_applies(make) -> None:
     x = make() if make is not torch.zeros else torch.zeros(2, 4, 16, 16)
     packed, y = _round_trip(_codec(), x)
-    assert "zero_mask" not in packed.payload and "min_pos" not in packed.payload
+    assert "zero_mask" not in packed.payload
+    assert ("min_pos" in packed.payload) == bool(x.min() > 0)  # a positive tensor's floor
     _assert_within_bound(x, y, packed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_positive_tensor_decodes_positive(dtype: torch.dtype, backend: str) -> None:
+    """One-sided positive values (a softmax's denominators, (B, T, 1)): the 2-bit
+    residual's step spans the whole group, and they decoded down to -3; a backward that
+    divides by them gave NaN. Now floored at the tensor's minimum, bit for bit the same on
+    the compiled CPU path as in torch."""
+    g = torch.Generator().manual_seed(0)
+    x = (1 + torch.rand(8, 64, 1, generator=g) * torch.rand(8, 1, 1, generator=g) * 20).to(dtype)
+    codec = _codec()
+    codec.backend = backend
+    packed, y = _round_trip(codec, x, seed=3)
+    assert "zero_mask" not in packed.payload and float(packed.payload["min_pos"]) == x.min()
+    assert bool((y >= x.min()).all())
+    _assert_within_bound(x, y, packed)
+    reference = DivisionCodec(codec.config)
+    reference.backend = "torch"
+    ref = reference.encode(x, seed=3)
+    for k, v in ref.payload.items():
+        assert torch.equal(v, packed.payload[k]), k
+    assert torch.equal(reference.decode(ref), y)
 
 
 def test_low_overflow_falls_back_to_float32() -> None:

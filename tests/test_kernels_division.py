@@ -92,7 +92,7 @@ def test_irregular_large_shape() -> None:
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")
 @pytest.mark.parametrize(
-    "case", ["nan", "inf", "huge", "low_overflow", "fp16_low_overflow", "0d", "6d"]
+    "case", ["nan", "inf", "huge", "low_overflow", "fp16_low_overflow", "0d", "6d", "positive"]
 )
 def test_rare_cases_match_reference(case: str) -> None:
     x = torch.randn(2, 3, 10, 10)
@@ -110,6 +110,8 @@ def test_rare_cases_match_reference(case: str) -> None:
         low = torch.float16
     elif case == "0d":
         x = torch.tensor(1.5)
+    elif case == "positive":  # a floor at the minimum (min_pos without a zero mask)
+        x = 1 + torch.rand(8, 64, 1) * torch.rand(8, 1, 1) * 20
     else:
         x = torch.randn(2, 1, 3, 4, 5, 6)
     _check(x, 4, 2, 64, low)

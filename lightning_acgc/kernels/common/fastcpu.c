@@ -992,11 +992,12 @@ void acgc_zero_pattern(const float *x, int64_t n, uint8_t *packed, float *min_po
  * bit k of byte b for o[8b + k]), max(o, min_pos) and +0.0 where the bit is set. */
 static inline void finish_chunk(float *o, int64_t len, float fmax, const uint8_t *zm,
                                 float min_pos) {
-    if (!zm) {
+    if (!zm) { /* min_pos: -inf, or the positive tensor's minimum */
         for (int64_t i = 0; i < len; i++) {
             float v = o[i];
             v = v < -fmax ? -fmax : v;
-            o[i] = v > fmax ? fmax : v;
+            v = v > fmax ? fmax : v;
+            o[i] = v > min_pos ? v : min_pos;
         }
         return;
     }
@@ -1017,8 +1018,8 @@ static inline void finish_chunk(float *o, int64_t len, float fmax, const uint8_t
     }
 }
 
-/* In place: out = clamp(out, -fmax, fmax); with a zero mask, max(out, min_pos) and +0.0 where
- * the mask's bit is set. */
+/* In place: out = max(clamp(out, -fmax, fmax), min_pos) (-inf: no floor) and, with a zero
+ * mask, +0.0 where the mask's bit is set. */
 void acgc_division_finish(float *out, int64_t n, float fmax, const uint8_t *zmask,
                           float min_pos, int nthreads) {
     int64_t chunks = (n + CHUNK - 1) / CHUNK; /* CHUNK is a multiple of 8 */

@@ -61,14 +61,17 @@ def _finish_cpu(out: torch.Tensor, fmax: float, payload: dict[str, torch.Tensor]
     """Clamp to +-fmax and apply the zero pattern, in place, in one pass."""
     out = out.contiguous()
     zmask = payload.get("zero_mask")
-    if zmask is not None:
-        zmask = zmask.contiguous()
-        min_pos = float(payload["min_pos"])
+    zmask = None if zmask is None else zmask.contiguous()
     cpu_library().acgc_division_finish(
         out.data_ptr(), out.numel(), fmax, None if zmask is None else zmask.data_ptr(),
-        min_pos if zmask is not None else 0.0, cpu_threads(),
+        _min_pos(payload), cpu_threads(),
     )  # fmt: skip
     return out
+
+
+def _min_pos(payload: dict[str, torch.Tensor]) -> float:
+    """The payload's floor for decoded values (-inf: none)."""
+    return float(payload["min_pos"]) if "min_pos" in payload else -math.inf
 
 
 CPU_KERNELS = Kernels(
@@ -144,6 +147,8 @@ def _encode_fused(
     if x_min == 0 and min_pos < math.inf:  # >= 0, zeros and a value > 0: the zero pattern
         payload["zero_mask"] = zbits
         payload["min_pos"] = torch.tensor([min_pos], dtype=torch.float32)
+    elif x_min > 0:  # positive: decodes stay positive (reference.py's format)
+        payload["min_pos"] = torch.tensor([x_min], dtype=torch.float32)
     return payload
 
 
@@ -178,7 +183,7 @@ def _decode_fused(
     lo, scale = lo.contiguous(), scale.contiguous()
     zmask = payload.get("zero_mask")
     zmask = None if zmask is None else zmask.contiguous()
-    min_pos = float(payload["min_pos"]) if zmask is not None else 0.0
+    min_pos = _min_pos(payload)
     out = torch.empty(n, dtype=torch.float32)
     if cpu_library().acgc_division_decode(
         codes.contiguous().data_ptr(), planes, h, w, block, ph, pw, low.data_ptr(), bits,

@@ -29,7 +29,11 @@ Format (shared with the Triton kernels):
   and ``min_pos`` (float32, shape (1,), the smallest positive value): present only when
   the finite values are non-negative and some are exactly 0 (ReLU outputs). Decoding
   writes exact zeros there and clamps every other value to at least ``min_pos``, so the
-  zero pattern is kept and no positive value decodes to 0 or below.
+  zero pattern is kept and no positive value decodes to 0 or below. ``min_pos`` alone (no
+  mask): every finite value is positive (a softmax's denominator, a norm); decoding
+  clamps every value to at least it. Without it a positive tensor decoded to values of
+  -3 (2-bit residual of one-sided values in [1, 11]), and a backward dividing by it
+  gave NaN.
 
 Decoding: ``x_hat = clamp(upsample(low) + r_hat, +-finfo(dtype).max)``, the zero mask
 applied, cast to the input dtype, the exceptions written back. Each element is within
@@ -163,6 +167,8 @@ def division_encode_with(
             payload.update(kernels.zero_pattern(x0))
         else:
             payload.update(zero_pattern(x0, kernels.mask_pack))
+    elif bool(lo > 0):  # positive: decodes stay positive
+        payload["min_pos"] = lo.float().reshape(1)
     return payload
 
 
@@ -214,12 +220,14 @@ def _finish(
     payload: dict[str, torch.Tensor],
     mask_unpack: Callable[[torch.Tensor, int], torch.Tensor],
 ) -> torch.Tensor:
-    """The decode's last steps: clamp to the dtype's range, then the zero pattern."""
+    """The decode's last steps: clamp to the dtype's range and to ``min_pos``, then the
+    zero pattern."""
     out = out.clamp_(-fmax, fmax)
     shape, numel = out.shape, out.numel()
+    if "min_pos" in payload:
+        out = torch.maximum(out, payload["min_pos"].view(()))
     if "zero_mask" in payload:
-        zero = mask_unpack(payload["zero_mask"], numel).view(shape)
-        out = torch.maximum(out, payload["min_pos"].view(())).masked_fill_(zero, 0.0)
+        out = out.masked_fill_(mask_unpack(payload["zero_mask"], numel).view(shape), 0.0)
     return out
 
 

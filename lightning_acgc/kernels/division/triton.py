@@ -287,6 +287,8 @@ def division_encode_triton(
     }
     if lo_f == 0 and hi_f > 0:  # non-negative with exact zeros: keep the zero pattern
         payload.update(zero_pattern(x, mask_pack_triton))
+    elif lo_f > 0:  # positive: decodes stay positive (reference.py's format)
+        payload["min_pos"] = torch.tensor([lo_f], dtype=torch.float32, device=x.device)
     return payload
 
 
@@ -349,4 +351,8 @@ def division_decode_triton(
     out = _tile_core(
         r, low.contiguous(), zbits, min_pos, o, a_len, b_len, w, last_pooled, block, True, dtype
     )
+    if zbits is None and min_pos is not None:  # a positive tensor's floor (the kernel
+        # applies min_pos with a zero mask only); after the cast, which is monotone: the
+        # same values as the reference's floor in float32 before it
+        out = torch.maximum(out, min_pos.to(out.dtype))
     return restore_exceptions(out, payload["exc_idx"], payload["exc_val"]).view(shape)
