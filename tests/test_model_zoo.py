@@ -1,0 +1,150 @@
+"""A zoo of small models trained a few steps under every policy: where plain training
+has a finite loss and finite gradients, compressed training has them too, and nothing
+raises. Each model stands for a pattern that once broke (a hand-written softmax's
+amax, a GNN's max aggregation, a positive denominator under the division codec with
+bf16 autocast) or that policies treat apart (RNN steps, complex FFT values, unpooling
+indices, channels_last, a gradient penalty through a second backward)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_acgc import ActivationCompressor, EngineSettings, build_policy, compressed_step
+
+
+class HandSoftmaxAttention(nn.Module):
+    def __init__(self, autocast: bool = False) -> None:
+        super().__init__()
+        self.q, self.k, self.out = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 5)
+        self.autocast = autocast
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+            scores = self.q(x) @ self.k(x).transpose(1, 2)
+            p = (scores - scores.amax(-1, keepdim=True)).exp()
+            p = p / p.sum(-1, keepdim=True)  # divides by a positive saved tensor
+            return self.out((p @ x).mean(1)).float()
+
+
+class MaxAggregation(nn.Module):
+    """Messages scattered into 4 nodes by amax (GraphSAGE's max aggregation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.msg, self.out = nn.Linear(32, 32), nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = F.relu(self.msg(x))
+        index = (torch.arange(x.shape[1]) % 4).view(1, -1, 1).expand_as(m)
+        nodes = m.new_zeros(x.shape[0], 4, 32)
+        nodes = nodes.scatter_reduce_(1, index, m, "amax", include_self=False)
+        return self.out(nodes.mean(1))
+
+
+class Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.out = nn.GRU(32, 24, num_layers=2, batch_first=True), nn.Linear(24, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.rnn(x)[0][:, -1])
+
+
+class Spectral(nn.Module):
+    """Complex FFT values saved by ``abs`` and ``angle``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.out = nn.Linear(32, 32), nn.Linear(17, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = torch.fft.rfft(self.lin(x), dim=-1)
+        return self.out(z.abs().mean(1) + z.angle().mean(1))
+
+
+class Images(nn.Module):
+    """channels_last conv, BatchNorm, max pooling with indices and unpooling."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1).to(memory_format=torch.channels_last)
+        self.norm, self.out = nn.BatchNorm2d(8), nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.norm(self.conv(x.contiguous(memory_format=torch.channels_last))))
+        pooled, index = F.max_pool2d(y, 2, return_indices=True)
+        return self.out(F.max_unpool2d(pooled, index, 2).amax((2, 3)))
+
+
+class Half(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 64).half(), nn.Linear(64, 5).half()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(F.gelu(self.a(x.half()))).float().mean(1)
+
+
+def _penalty(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The loss plus the squared gradient of the loss by the input (create_graph)."""
+    x = x.clone().requires_grad_(True)
+    loss = F.cross_entropy(model(x), y)
+    (grad,) = torch.autograd.grad(loss, x, create_graph=True)
+    return loss + grad.square().sum()
+
+
+SEQUENCE = (8, 16, 32)
+ZOO: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], bool]] = {
+    "hand_softmax": (HandSoftmaxAttention, SEQUENCE, False),
+    "hand_softmax_bf16": (lambda: HandSoftmaxAttention(autocast=True), SEQUENCE, False),
+    "max_aggregation": (MaxAggregation, SEQUENCE, False),
+    "gru": (Recurrent, SEQUENCE, False),
+    "fft": (Spectral, SEQUENCE, False),
+    "images": (Images, (8, 3, 16, 16), False),
+    "float16": (Half, SEQUENCE, False),
+    "gradient_penalty": (Recurrent, SEQUENCE, True),
+}
+POLICIES = {
+    "acgc": {},
+    "acgc_bounded": {"codec": "bounded"},
+    "gact": {},
+    "division": {},
+    "comet": {},
+    "fixed": {"codec": "quant", "bits": 2},
+}
+
+
+def _finite(model: nn.Module, loss: torch.Tensor) -> bool:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return bool(torch.isfinite(loss)) and all(bool(torch.isfinite(g).all()) for g in grads)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_compressed_training_is_finite_where_plain_is(name: str, policy: str) -> None:
+    make, shape, penalty = ZOO[name]
+    torch.manual_seed(0)
+    model, x, y = make(), torch.randn(*shape), torch.randint(0, 5, (shape[0],))
+    loss_of = (lambda: _penalty(model, x, y)) if penalty else (lambda: F.cross_entropy(model(x), y))
+    plain = loss_of()
+    plain.backward()
+    assert _finite(model, plain)  # the zoo's own check: each model trains plainly
+    built = build_policy(policy.removesuffix("_bounded"), **POLICIES[policy])
+    engine = ActivationCompressor(built, model=model, settings=EngineSettings(min_numel=0))
+    engine.install()
+    built.setup(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    try:
+        for step in range(4):  # calibration steps, then ordinary ones
+            optimizer.zero_grad()
+            loss = compressed_step(engine, model, loss_of, step)
+            assert _finite(model, loss), step
+            optimizer.step()
+    finally:
+        engine.remove()
+        built.teardown()
