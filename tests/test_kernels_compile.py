@@ -60,7 +60,7 @@ tile = dict(a_ptr="*fp32", low_ptr="*bf16", out_ptr="*i16", zbits_ptr="*u8",
 for decode in (False, True):
     compile_for_cuda(m._tile_kernel, {**tile, "out_ptr": "*i16" if decode else "*fp32"},
                      dict(BR=32, BC=64, LAST_POOLED=True, DECODE=decode, HAS_ZERO=decode,
-                          OUT_KIND=2, IDX64=False))
+                          HAS_MIN=decode, OUT_KIND=2, IDX64=False))
 """,
     "channels": """
 for ptr, bf16 in (("*fp32", False), ("*i16", True)):

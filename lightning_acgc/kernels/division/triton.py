@@ -155,7 +155,7 @@ def _tile_core(
         low,
         out.view(torch.int16) if out_dtype == torch.bfloat16 else out,
         zbits if has_zero else low,
-        min_pos if has_zero else low,
+        min_pos if min_pos is not None else low,
         n_rows,
         w,
         a_len,
@@ -170,6 +170,7 @@ def _tile_core(
         LAST_POOLED=last_pooled,
         DECODE=decode,
         HAS_ZERO=has_zero,
+        HAS_MIN=min_pos is not None,
         OUT_KIND=_DTYPES.index(out_dtype),
         IDX64=(n_rows + br) * (w + bc) >= 2**31,
         **LAUNCH_OPTIONS,
@@ -351,8 +352,4 @@ def division_decode_triton(
     out = _tile_core(
         r, low.contiguous(), zbits, min_pos, o, a_len, b_len, w, last_pooled, block, True, dtype
     )
-    if zbits is None and min_pos is not None:  # a positive tensor's floor (the kernel
-        # applies min_pos with a zero mask only); after the cast, which is monotone: the
-        # same values as the reference's floor in float32 before it
-        out = torch.maximum(out, min_pos.to(out.dtype))
     return restore_exceptions(out, payload["exc_idx"], payload["exc_val"]).view(shape)

@@ -53,7 +53,7 @@ def _tile_kernel(
     low_ptr,  # *fp32|fp16|bf16 (O, A2, B2, W2) tile averages
     out_ptr,  # (n_rows, W): fp32 residual (encode) or the decoded tensor (decode) (out)
     zbits_ptr,  # *u8 packed zero mask (read if HAS_ZERO)
-    min_pos_ptr,  # *fp32 [1] smallest positive value (read if HAS_ZERO)
+    min_pos_ptr,  # *fp32 [1] smallest positive value, the decode's floor (read if HAS_MIN)
     n_rows,  # O * A * B
     W,  # last axis
     A,  # first pooled middle axis (1 if none)
@@ -67,7 +67,8 @@ def _tile_kernel(
     BC: tl.constexpr,  # columns per program
     LAST_POOLED: tl.constexpr,  # the last axis is pooled
     DECODE: tl.constexpr,  # False: a - up(low); True: clamp(a + up(low)), zero mask, cast
-    HAS_ZERO: tl.constexpr,  # a zero mask and min_pos are present
+    HAS_ZERO: tl.constexpr,  # a zero mask is present
+    HAS_MIN: tl.constexpr,  # min_pos is present (with a zero mask, or a positive tensor's)
     OUT_KIND: tl.constexpr,  # decode output: 0 fp32, 1 fp16, 2 bf16 bits as int16
     IDX64: tl.constexpr,  # indices need 64 bits
 ):
@@ -88,8 +89,9 @@ def _tile_kernel(
     v = tl.load(a_ptr + idx, mask=ok, other=0.0).to(tl.float32)
     if DECODE:
         v = tl.minimum(tl.maximum(v + low, -fmax), fmax)
-        if HAS_ZERO:
+        if HAS_MIN:
             v = tl.maximum(v, tl.load(min_pos_ptr))
+        if HAS_ZERO:
             byte = tl.load(zbits_ptr + (idx >> 3), mask=ok, other=0).to(tl.int32)
             v = tl.where(((byte >> (idx & 7).to(tl.int32)) & 1) != 0, 0.0, v)
         tl.store(out_ptr + idx, store_narrow(v, OUT_KIND), mask=ok)
