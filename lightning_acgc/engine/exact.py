@@ -86,13 +86,12 @@ def _reproduces(
     return same and torch.equal(again, result.detach())
 
 
-def _is_input_of(node: object, source: torch.Tensor) -> bool:
-    """Whether ``source`` is the one input of ``node`` (a graph edge to its node, or to the
-    leaf it accumulates into)."""
-    edges = node.next_functions  # type: ignore[attr-defined]
-    if len(edges) != 1 or edges[0][0] is None:
+def _comes_from(edge: tuple[object, int], source: torch.Tensor) -> bool:
+    """Whether the graph ``edge`` (a node's entry of ``next_functions``) leads to
+    ``source``: to its node, or to the leaf it accumulates into."""
+    nxt = edge[0]
+    if nxt is None:
         return False
-    nxt = edges[0][0]
     if source.grad_fn is not None:
         return nxt is source.grad_fn
     return getattr(nxt, "variable", None) is source
@@ -116,8 +115,8 @@ def recompute_fn(
     node = result.grad_fn
     if node is None or source is None or type(node).__name__ not in COMPARING_NODES:
         return None
-    fn = _reduction(node)
-    if fn is None or not _is_input_of(node, source):
+    fn, edges = _reduction(node), node.next_functions
+    if fn is None or len(edges) != 1 or not _comes_from(edges[0], source):
         return None
     if not _reproduces(fn, (source,), result):
         return None  # e.g. NaN in the result (never equal to itself): keep the result
@@ -162,9 +161,7 @@ def recompute_plan(
     if fn is None or len(recent) < 3 or any(t is None for t in recent[-3:]):
         return None
     index, values, src = recent[-3:]
-    edges = node.next_functions  # type: ignore[attr-defined]
-    own = src.grad_fn is not None and edges and edges[-1][0] is src.grad_fn
-    if index.is_floating_point() or not own:
+    if index.is_floating_point() or not _comes_from(node.next_functions[-1], src):
         return None
     if not _reproduces(fn, (index, values, src), result):
         return None
