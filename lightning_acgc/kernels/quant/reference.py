@@ -22,7 +22,12 @@ Format:
 
 Rounding is ``floor((x - lo) * inv + u)``, ``inv = 1 / step``, with ``u`` from a
 counter-based hash of (seed, element index) (:func:`hash_uniform`): unbiased to within
-2**-16 of a step, reproducible from the stored seed, and computable anywhere. Decoding
+2**-16 of a step, reproducible from the stored seed, and computable anywhere. (Rounding
+to the nearest code, u = 0.5, was built and measured: a single step's gradient error fell
+1.3-2.7x at equal bits, and acgc kept 7-18% more on the recipes, but in paired-seed fits
+one of three char-LM seeds ended 15% above plain's validation loss and, recalibrating every
+10 steps with every measured error near e, 9.5% above: a deterministic error points the
+same way step after step. So the rounding stays stochastic.) Decoding
 computes ``lo + q * step`` as one fused multiply-add (``torch.addcmul``). A tensor whose
 step does not fit float32 (a range beyond 3.4e38 at 1 bit) is not quantized: the codec
 keeps it as it is.
