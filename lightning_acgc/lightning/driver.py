@@ -34,6 +34,21 @@ from lightning_acgc.policies import Policy
 __all__ = ["CalibrationDriver"]
 
 
+def refuses_hooks(err: RuntimeError) -> bool:
+    """Whether ``err`` is PyTorch refusing saved-tensor hooks (``torch.func``'s transforms
+    and ``torch.autograd.graph.disable_saved_tensors_hooks`` raise it on entry while any
+    are active).
+
+    Example:
+        >>> refuses_hooks(RuntimeError("torch.func.{grad, vjp} don't support saved tensor hooks"))
+        True
+        >>> refuses_hooks(RuntimeError("CUDA out of memory"))
+        False
+    """
+    text = str(err).lower()
+    return "saved tensor hooks" in text or "saved tensors default hooks" in text
+
+
 def _accumulating(trainer: Trainer) -> bool:
     """Whether the current batch accumulates gradients (no optimizer step after it)."""
     if trainer.accumulate_grad_batches <= 1:
@@ -74,15 +89,49 @@ class CalibrationDriver:
         self._ranks_checked = False
         self._noise_step: int | None = None  # the step whose halves were measured
         self._warned: set[str] = set()
+        self._trainer: Trainer | None = None  # of the fit started last
 
     # -- the scope of training_step ------------------------------------------------
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)`` as the next engine step with compression active."""
+        """``fn(*args, **kwargs)`` as the next engine step with compression active.
+
+        Code that refuses saved-tensor hooks (``torch.func.grad``, ``vjp``, ``jacrev``,
+        ``hessian``: a physics-informed loss, per-sample gradients) raises as soon as it
+        runs under them. Then compression stops for the rest of the fit, with a warning,
+        and ``fn`` runs again without it, as plain training would have run it; unless an
+        optimizer stepped before the refusal (manual optimization), where running again
+        would step it twice: then the error is raised, saying so."""
         assert self.engine is not None
         self.engine.new_step(self.step)
         self.step += 1
-        with self.engine.scope():
-            return fn(*args, **kwargs)
+        steps = self._optimizer_steps()
+        try:
+            with self.engine.scope():
+                return fn(*args, **kwargs)
+        except RuntimeError as err:
+            if not refuses_hooks(err):
+                raise
+            if self._optimizer_steps() != steps:
+                raise RuntimeError(
+                    "lightning_acgc: training_step runs code that refuses saved-tensor "
+                    "hooks (torch.func's grad, vjp, jacrev or hessian) after an optimizer "
+                    "step, so it cannot run again uncompressed; call it before the "
+                    "optimizer steps, or train this model with ActivationCompression("
+                    "policy='off')"
+                ) from err
+            refusal = str(err).splitlines()[0]
+        self.warn_once(
+            "refused",
+            f"training_step runs code that refuses saved-tensor hooks ({refusal}); "
+            "activation compression is off for the rest of this fit, which trains as "
+            "plain training does",
+        )
+        self.stop()
+        return fn(*args, **kwargs)
+
+    def _optimizer_steps(self) -> int:
+        """Optimizer steps the trainer has taken (0 before :meth:`start`)."""
+        return self._trainer.global_step if self._trainer is not None else 0
 
     def resume(self, step: int, seed: int) -> None:
         """Continue from a checkpoint's step counter and seed."""
@@ -122,6 +171,7 @@ class CalibrationDriver:
             raise
         self.cycle = CalibrationCycle(engine, make_reduce(trainer), trainer.world_size)
         self._noise_step = None
+        self._trainer = trainer
         self.active = True
         self._ranks_checked = False
 
@@ -135,6 +185,7 @@ class CalibrationDriver:
             self._strategy = None
         if self.engine is not None and self.engine.installed:
             self.engine.remove()
+        self._trainer = None
         if self.active:
             self.active = False
             self.cycle = None
@@ -272,7 +323,10 @@ class CalibrationDriver:
         restored afterwards, so it is the fit's first step played ahead of time: an
         out-of-memory error (or :class:`MemoryBudgetError`) here is one that step would
         raise. Without it the budget is lifted (the search, not this step, finds what
-        fits) and the policy keeps what it learned."""
+        fits) and the policy keeps what it learned. Nothing once compression stepped
+        aside (:meth:`run`)."""
+        if not self.active:
+            return
         assert self.engine is not None and self.cycle is not None
         engine, cycle = self.engine, self.cycle
         batch = first_train_batch(trainer, pl_module)

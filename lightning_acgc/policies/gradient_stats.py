@@ -3,7 +3,8 @@
 Forward hooks put a tensor hook on each module output; the tensor hook adds the squared
 norm of the output gradient (δ) to the module's total. The hooks exist only while a
 calibration step runs (:meth:`GradientStats.start` / :meth:`stop`), so other steps pay
-nothing.
+nothing. Outputs made inside a ``torch.func`` transform (a loss term built with
+``jacrev``) are skipped: their gradients are the transform's, not the loss's.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from torch.utils.hooks import RemovableHandle
 __all__ = ["GradientStats", "weight_fan_in"]
 
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+# True for a tensor made inside a torch.func transform (vmap, grad, jacrev): its gradient
+# is the transform's own, and reading it (float()) raises there.
+_in_transform = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda t: False)
 
 
 def weight_fan_in(module: nn.Module) -> int | None:
@@ -86,7 +90,12 @@ class GradientStats:
         def hook(module: nn.Module, args: object, output: object) -> None:
             outs = output if isinstance(output, (tuple, list)) else (output,)
             for out in outs:
-                if isinstance(out, torch.Tensor) and out.requires_grad and out.is_floating_point():
+                if (
+                    isinstance(out, torch.Tensor)
+                    and out.requires_grad
+                    and out.is_floating_point()
+                    and not _in_transform(out)
+                ):
                     out.register_hook(self._on_grad(name))
 
         return hook
