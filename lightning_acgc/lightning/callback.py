@@ -358,16 +358,14 @@ class ActivationCompression(Callback):
         driver, first_step = self._driver, None
         if pl_module.automatic_optimization:
             driver.calibration_step(trainer, pl_module)
-            if not driver.active:  # training_step refused the hooks: trains as plain
-                rank_zero_info("lightning_acgc: compression is off, so no batch-size search")
-                return
             first_step = functools.partial(driver.calibration_step, trainer, pl_module, replay=True)
         else:
             driver.warn_once(
                 "search-manual",
                 "with manual optimization the batch-size search runs before any calibration",
             )
-        self.batch_size_finder.search(trainer, pl_module, self.engine, first_step)
+        if driver.active:  # else training_step refused the hooks (driver.run): no search
+            self.batch_size_finder.search(trainer, pl_module, self.engine, first_step)
 
     # -- checkpointing -------------------------------------------------------------
     @override
