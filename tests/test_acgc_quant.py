@@ -148,6 +148,36 @@ def test_saturating_activations_keep_four_bits() -> None:
     assert policy.site_bits["3:0"] < 4, policy.site_bits  # the tanh output is 2:0 too
 
 
+class _FunctionalGate(nn.Module):
+    """Saturating activations called as functions inside one module (an attention's
+    F.softmax, a gate's torch.sigmoid): the site's module type is this class's name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(16, 256), nn.Linear(256, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        p = torch.softmax(h, dim=-1)  # saved for softmax's backward
+        g = torch.sigmoid(h)  # saved for sigmoid's backward
+        return self.out(p * 256 + g * torch.relu(h))
+
+
+def test_saturating_functions_keep_four_bits_whatever_their_module() -> None:
+    """F.softmax inside a custom attention module (every HuggingFace attention) escaped
+    the floor by module type: quick BERT's probabilities went to 2 bits. The autograd
+    node that made the saved tensor names it: softmax and sigmoid outputs keep 4 bits,
+    a ReLU output in the same module does not need to."""
+    torch.manual_seed(0)
+    model = _FunctionalGate()
+    policy, sites = _calibrated(model, torch.randn(64, 16), 0.9, steps=4)
+    kinds = {k for k in policy.site_bits if sites[k].module_type == "_FunctionalGate"}
+    assert len(policy._saturating) == 2, (policy._saturating, kinds)
+    assert all(policy.site_bits[k] >= 4 for k in policy._saturating), policy.site_bits
+    others = [k for k in kinds if k not in policy._saturating]
+    assert others and min(policy.site_bits[k] for k in others) < 4, policy.site_bits
+
+
 def _deep_mlp() -> nn.Module:
     torch.manual_seed(0)
     dims = [64, 384, 256, 512, 192, 320, 448, 256, 384, 10]

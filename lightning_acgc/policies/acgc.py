@@ -53,7 +53,6 @@ steps (timed between :meth:`begin_step` and :meth:`end_step`).
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections import deque
 
@@ -214,6 +213,7 @@ class ACGCPolicy(
         self._structure: dict[str, SiteRecord] = {}
         self._norm_params: list[str] = []
         self._inv_var: dict[str, float] = {}
+        self._saturating: set[str] = set()  # sites saving a saturating activation's output
         self._variances: dict[str, list[float]] = {}  # quant: v_t(b) per width of LADDER
         self._pending_var: dict[str, torch.Tensor] = {}
         self._raw_bits: dict[str, int] = {}
@@ -232,10 +232,7 @@ class ACGCPolicy(
             return self.probe_codec(site, x)
         if self._calibrating:
             start = time.perf_counter()
-            if site.module_type in error_model.NORM_TYPES:
-                inv_var = error_model.norm_inv_var(x, site.module_type)
-                if inv_var is not None and math.isfinite(inv_var):
-                    self._inv_var[site.key] = inv_var
+            self.note_tensor(site, x)  # a norm input's spread, a saturating output
             if self.codec == "quant":
                 self._pending_var[site.key] = sr_variance(x, self.group_size)
                 self._raw_bits[site.key] = 8 * x.element_size()

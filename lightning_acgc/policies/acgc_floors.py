@@ -26,9 +26,20 @@ measured 0.16-0.27 against e = 0.5.
 
 from __future__ import annotations
 
+import math
+
+import torch
+
+from lightning_acgc.engine.sites import SiteInfo
 from lightning_acgc.policies.acgc_allocation import UNCONSTRAINED, average
 from lightning_acgc.policies.bit_allocation import KEEP, LADDER, allocate_to_error
-from lightning_acgc.policies.error_model import BIAS_FLOOR, SATURATING_TYPES
+from lightning_acgc.policies.error_model import (
+    BIAS_FLOOR,
+    NORM_TYPES,
+    SATURATING_TYPES,
+    norm_inv_var,
+    saturating_output,
+)
 
 __all__ = ["ScopeFloors", "within"]
 
@@ -63,7 +74,8 @@ class ScopeFloors:
     smallest width) and ``_floor_scopes`` (site key → the scope that set its floor) from the
     per-layer readings, and each tensor's modelled variance under the settings in force.
     Uses ``site_bits``, ``site_split``, ``bounds``, ``codec``, ``_variances``, ``_sens``,
-    ``_raw_bits``, ``initial_width``, ``other_factor`` and ``probe_floors``."""
+    ``_raw_bits``, ``_inv_var``, ``_saturating``, ``initial_width``, ``other_factor`` and
+    ``probe_floors``."""
 
     def _variance(self, key: str) -> float:
         """Modelled error variance per element of tensor ``key`` under the settings (a
@@ -184,6 +196,17 @@ class ScopeFloors:
                 else:
                     floors[key] = lower
 
+    def note_tensor(self, site: SiteInfo, x: torch.Tensor) -> None:
+        """On a calibration step, what the error model reads off a saved tensor itself: a
+        normalization input's 1/variance, and whether it is a saturating activation's
+        output (any module: F.softmax inside an attention module has that module's type)."""
+        if site.module_type in NORM_TYPES:
+            inv_var = norm_inv_var(x, site.module_type)
+            if inv_var is not None and math.isfinite(inv_var):
+                self._inv_var[site.key] = inv_var
+        if saturating_output(x):
+            self._saturating.add(site.key)
+
     def floors(self) -> dict[str, int]:
         """The smallest width per tensor the allocation must respect: the measured floors,
         the probes' (:mod:`~lightning_acgc.policies.acgc_probes`), and
@@ -193,7 +216,7 @@ class ScopeFloors:
         for key, width in self.probe_floors().items():  # acgc_probes: PROBE_WIDTH
             floors[key] = max(floors.get(key, LADDER[0]), width, key=ORDER.index)
         for key, record in getattr(self, "_structure", {}).items():
-            if record.module_type in SATURATING_TYPES:
+            if record.module_type in SATURATING_TYPES or key in self._saturating:
                 floors[key] = max(floors.get(key, LADDER[0]), BIAS_FLOOR, key=ORDER.index)
         return floors
 

@@ -32,6 +32,7 @@ __all__ = [
     "is_batch_norm_input",
     "is_norm_statistic",
     "norm_inv_var",
+    "saturating_output",
     "tensor_sensitivities",
 ]
 
@@ -134,7 +135,24 @@ def is_batch_norm_input(module_type: str, x: torch.Tensor) -> bool:
 # for every value) shrank the whole model's gradient: the sweep's BERT ended 7-11% above
 # plain at e = 0.3-0.6. They get at least BIAS_FLOOR bits (variance under 1% of the range²).
 SATURATING_TYPES = frozenset({"Tanh", "Sigmoid", "Softmax", "Softmin", "LogSoftmax", "Hardtanh"})
+# The same activations called as functions (F.softmax inside an attention module, torch.tanh
+# in a gate): known by the autograd node that made the saved tensor, their output.
+SATURATING_OPS = frozenset(
+    {"TanhBackward0", "SigmoidBackward0", "SoftmaxBackward0", "LogSoftmaxBackward0"}
+)
 BIAS_FLOOR = 4
+
+
+def saturating_output(x: torch.Tensor) -> bool:
+    """Whether ``x`` is the output of a saturating activation, however it was called.
+
+    Example:
+        >>> s = torch.randn(2, 8, requires_grad=True)
+        >>> saturating_output(torch.softmax(s, -1)), saturating_output(torch.relu(s))
+        (True, False)
+    """
+    node = x.grad_fn
+    return node is not None and node.name() in SATURATING_OPS
 
 
 def norm_inv_var(x: torch.Tensor, module_type: str) -> float | None:
