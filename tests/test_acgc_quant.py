@@ -178,6 +178,21 @@ def test_saturating_functions_keep_four_bits_whatever_their_module() -> None:
     assert others and min(policy.site_bits[k] for k in others) < 4, policy.site_bits
 
 
+def test_saturating_sites_survive_a_checkpoint() -> None:
+    """The floor is allocated before the resumed step's forward notes its tensors: the
+    checkpoint carries the sites (an older one: those of a saturating module type)."""
+    torch.manual_seed(0)
+    policy, _ = _calibrated(_FunctionalGate(), torch.randn(64, 16), 0.9, steps=3)
+    state = policy.state_dict()
+    resumed = ACGCPolicy(gradient_error=0.9)
+    resumed.load_state_dict(state)
+    assert resumed._saturating == policy._saturating and len(resumed._saturating) == 2
+    older = {k: v for k, v in state.items() if k != "saturating"}
+    older["structure"] = {k: {**r, "module_type": "Softmax"} for k, r in state["structure"].items()}
+    resumed.load_state_dict(older)
+    assert resumed._saturating == set(state["structure"])
+
+
 def _deep_mlp() -> nn.Module:
     torch.manual_seed(0)
     dims = [64, 384, 256, 512, 192, 320, 448, 256, 384, 10]

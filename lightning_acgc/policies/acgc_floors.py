@@ -198,13 +198,14 @@ class ScopeFloors:
 
     def note_tensor(self, site: SiteInfo, x: torch.Tensor) -> None:
         """On a calibration step, what the error model reads off a saved tensor itself: a
-        normalization input's 1/variance, and whether it is a saturating activation's
-        output (any module: F.softmax inside an attention module has that module's type)."""
+        normalization input's 1/variance, and whether a saturating activation saved it (by
+        its module's type, or by the autograd node that made it: F.softmax inside an
+        attention module has that module's type)."""
         if site.module_type in NORM_TYPES:
             inv_var = norm_inv_var(x, site.module_type)
             if inv_var is not None and math.isfinite(inv_var):
                 self._inv_var[site.key] = inv_var
-        if saturating_output(x):
+        if site.module_type in SATURATING_TYPES or saturating_output(x):
             self._saturating.add(site.key)
 
     def floors(self) -> dict[str, int]:
@@ -215,9 +216,8 @@ class ScopeFloors:
         floors = dict(getattr(self, "_floors", None) or {})
         for key, width in self.probe_floors().items():  # acgc_probes: PROBE_WIDTH
             floors[key] = max(floors.get(key, LADDER[0]), width, key=ORDER.index)
-        for key, record in getattr(self, "_structure", {}).items():
-            if record.module_type in SATURATING_TYPES or key in self._saturating:
-                floors[key] = max(floors.get(key, LADDER[0]), BIAS_FLOOR, key=ORDER.index)
+        for key in self._saturating:
+            floors[key] = max(floors.get(key, LADDER[0]), BIAS_FLOOR, key=ORDER.index)
         return floors
 
     def _structure_numel(self, key: str) -> int:

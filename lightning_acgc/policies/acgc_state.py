@@ -12,6 +12,7 @@ from torch import nn
 from lightning_acgc.codecs.base import Codec
 from lightning_acgc.engine.meter import SiteRecord
 from lightning_acgc.policies.bit_allocation import KEEP, LADDER
+from lightning_acgc.policies.error_model import SATURATING_TYPES
 
 __all__ = ["ACGCState"]
 
@@ -54,6 +55,7 @@ class ACGCState:
             "layer_noise_sq": list(self._layer_noise_sq),
             "layer_grad_sq": list(self._layer_grad_sq),
             "inv_var": dict(self._inv_var),
+            "saturating": sorted(self._saturating),
             "structure": {k: dataclasses.asdict(r) for k, r in self._structure.items()},
             "probe_readings": {k: list(v) for k, v in self._probe_readings.items()},
             "probed_at": dict(self._probed_at),
@@ -95,6 +97,9 @@ class ACGCState:
             k: SiteRecord(**{**r, "shape": tuple(r["shape"])})
             for k, r in state["structure"].items()
         }
+        # (checkpoints from before the saturating sites were noted: those of their type)
+        saturating = [k for k, r in self._structure.items() if r.module_type in SATURATING_TYPES]
+        self._saturating = set(state.get("saturating", saturating))
         self._probe_readings = {
             k: deque(v, maxlen=self.history) for k, v in state.get("probe_readings", {}).items()
         }
