@@ -67,6 +67,7 @@ class ACGCCompressionSchema(CompressionSchema):
     gradient_error: float | None = MISSING
     noise_ratio: float | None = MISSING
     noise_floor: float | None = MISSING
+    probes: int | None = MISSING
     verify: bool = MISSING
 
 

@@ -112,6 +112,8 @@ class ACGCPolicy(
             variance (needs the adapter to pass the batch halves' gradients).
         noise_floor: ρ₀ > 0: with ``gradient_error``, also allow any error within ρ₀² of the
             sampling variance (:mod:`~lightning_acgc.policies.acgc_noise`).
+        probes: ``quant``: tensor classes first probed per calibration (0: off; default
+            ``max_probes``; :mod:`~lightning_acgc.policies.acgc_probes`).
         config: the codec and its backend: ``quant`` (default; per-tensor bit widths,
             stochastic rounding) or ``bounded`` (error bounds), given as ``codec=`` when
             built by name (``build_policy("acgc", codec="bounded")``).
@@ -127,18 +129,10 @@ class ACGCPolicy(
     name = "acgc"
     codecs = CODECS  # what codec= may name; the first is the default
     options = (
-        "gradient_error",
-        "calibrate_every",
-        "verify",
-        "warmup_steps",
-        "history",
-        "initial_relative_bound",
-        "group_size",
-        "target",
-        "noise_ratio",
-        "layer_floor",
-        "noise_floor",
-    )
+        "gradient_error", "calibrate_every", "verify", "warmup_steps", "history",
+        "initial_relative_bound", "group_size", "target", "noise_ratio", "layer_floor",
+        "noise_floor", "probes",
+    )  # fmt: skip
     initial_width = 8  # quant: width before the first calibration and for unseen sites
     # quant: the first allocation aims at this share of the budget (κ unmeasured: on
     # ResNet-50 at 224² the model's error was 3.5-35x its guess, step 1 measured 1.4-5e)
@@ -158,6 +152,7 @@ class ACGCPolicy(
         noise_ratio: float | None = None,
         layer_floor: float | None = None,
         noise_floor: float | None = None,
+        probes: int | None = None,
         config: CodecSpec | None = None,
     ) -> None:
         self._arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
@@ -170,6 +165,9 @@ class ACGCPolicy(
         check_int("calibrate_every", calibrate_every, 1)
         check_int("warmup_steps", warmup_steps, 1)
         check_int("history", history, 1)
+        if probes is not None:
+            check_int("probes", probes, 0)
+            self.max_probes = probes
         if not 0 < initial_relative_bound < 1:
             raise ValueError(f"initial_relative_bound={initial_relative_bound!r} must be in (0, 1)")
         target = target if target is not None else 0.35

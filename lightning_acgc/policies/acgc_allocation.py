@@ -19,6 +19,7 @@ from typing import Any
 
 from lightning_acgc.codecs.registry import codec_config_class
 from lightning_acgc.policies._schedule import round_bound_down
+from lightning_acgc.policies.acgc_joint import joint_min_widths, module_loads
 from lightning_acgc.policies.bit_allocation import KEEP, LADDER, QUANT_WIDTHS, allocate_to_error
 
 __all__ = [
@@ -204,6 +205,45 @@ def _low_shares(
     return shares
 
 
+def _joint_parts(
+    keys: list[str],
+    sens: dict[str, Sensitivity],
+    variances: dict[str, list[float]],
+    budgets: dict[str, float],
+    raw_bits: dict[str, int],
+    overhead: float,
+    floors: dict[str, int] | None,
+) -> tuple[dict[str, int], dict[str, dict[str, float]]]:
+    """The widths that meet every budget jointly
+    (:func:`~lightning_acgc.policies.acgc_joint.joint_min_widths`), and per tensor and
+    module: its part of the module's budget, its load at those widths plus, of what the
+    module has left, a share by elements (what a ``split`` may fill, :func:`_own_room`)."""
+    factors, tables, mins = [], [], []
+    for key in keys:
+        _, weights, _ = sens[key]
+        table = dict(zip(LADDER, variances[key], strict=True))
+        finite = [b for b in LADDER if math.isfinite(table[b])]
+        factors.append({m: c for m, c in weights.items() if c > 0 and m in budgets})
+        tables.append({b: table[b] if math.isfinite(table[b]) else 0.0 for b in LADDER})
+        first = finite[0] if finite else KEEP
+        mins.append(max(first, (floors or {}).get(key, LADDER[0]), key=ORDER.index))
+    sizes = [sens[k][0] for k in keys]
+    raws = [raw_bits.get(k, 32) for k in keys]
+    widths = joint_min_widths(sizes, factors, tables, budgets, mins, raws, overhead)
+    loads = module_loads(factors, tables, widths)
+    elements: dict[str, int] = {}
+    for n, c_t in zip(sizes, factors, strict=True):
+        for m in c_t:
+            elements[m] = elements.get(m, 0) + n
+    parts: dict[str, dict[str, float]] = {}
+    for key, n, c_t, t, w in zip(keys, sizes, factors, tables, widths, strict=True):
+        mine = parts[key] = {}
+        for m, c in c_t.items():
+            left = max(SPLIT_OWN_FILL * budgets[m] - loads[m], 0.0) * n / elements[m]
+            mine[m] = ((0.0 if w == KEEP else c * t[w]) + left) / SPLIT_OWN_FILL
+    return dict(zip(keys, widths, strict=True)), parts
+
+
 def quant_allocation(
     sens: dict[str, Sensitivity],
     variances: dict[str, list[float]],
@@ -221,9 +261,9 @@ def quant_allocation(
     measured variance table (``variances[t][i]``: per-element variance at ``LADDER[i]``),
     and the share of each tensor's values stored one bit narrower (``split`` codec).
 
-    Each tensor starts at the smallest width that meets its part of the own budget of
-    each module it reaches (:func:`_shared_budgets`; ``KEEP`` if float16 does not); then
-    greedy upgrades, best error reduction per added bit first, bring
+    Tensors start at the fewest bits that keep each module within its own budget, all
+    the tensors that reach it together (:func:`_joint_parts`; ``KEEP`` where float16
+    does not); then greedy upgrades, best error reduction per added bit first, bring
     Σ_t (w_t + λ_t·o_t)·v_t(b_t) within ``E · ‖g‖²`` (``lam(t)``: λ of tensor t's
     scope). A tensor no gradient depends on (sensitivity 0: its module's output gradient
     was exactly zero) is neither measured by the model nor by the gradient error, so it
@@ -239,24 +279,13 @@ def quant_allocation(
     keys = sorted(k for k in sens if k in variances)
     sizes, errors, mins, raws, owns, floor_list = [], [], [], [], [], []
     budgets = _layer_budgets(layer_sq, e_sq, own_scale, layer_share)
-    coarse = {k: max((x for x in variances[k] if math.isfinite(x)), default=0.0) for k in keys}
-    parts = _shared_budgets({k: (*sens[k][:2], coarse[k]) for k in keys}, budgets)
+    joint, parts = _joint_parts(keys, sens, variances, budgets, raw_bits, overhead, floors)
     for key in keys:
         n, weights, other = sens[key]
         v = dict(zip(LADDER, variances[key], strict=True))
         own, orphan = _own_budgets(weights, parts[key])
         factor = sum(weights.values()) - orphan + lam(key) * (other + orphan)
-        if factor <= 0:
-            width = SAFE_WIDTH
-        else:
-            width = next(
-                (
-                    b
-                    for b in LADDER
-                    if math.isfinite(v[b]) and all(c * v[b] <= bud for c, bud in own)
-                ),
-                KEEP,
-            )
+        width = SAFE_WIDTH if factor <= 0 else joint[key]
         floor = (floors or {}).get(key, LADDER[0])
         sizes.append(n)
         errors.append({b: factor * v[b] for b in LADDER})
