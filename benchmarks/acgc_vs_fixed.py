@@ -9,8 +9,10 @@ same way (goal: within the error, at >= 95% of the fixed setting's ratio). The f
 settings promise only the global error; acgc also holds every layer's own gradient to e.
 So acgc is measured a second time at each setting's error with the global promise alone
 (``layer_floor=1``: no module held per layer), which shows what the per-layer promise
-costs. Also logged:
-acgc's calibration-step errors (its promise), κ, and the calibration's cost.
+costs. acgc at its default is measured twice: as it is, and with its probes on
+(``probes=8``: the effect of the tensors its model guesses measured, one pass per class).
+Also logged: acgc's calibration-step errors (its promise), its worst layer, κ, and the
+calibration's cost.
 
 Prints one JSON line.
 
@@ -53,6 +55,7 @@ from lightning_acgc.engine.cycle import exact_gradients
 
 # acgc's layer_floor that holds no module to e on its own: the global promise alone
 GLOBAL_ONLY = 1.0
+PROBES = 8  # acgc's default measured a second time with its probes on (off by default)
 
 BASELINES = {
     "quant2": ("fixed", {"codec": "quant", "bits": 2}),
@@ -140,6 +143,10 @@ def compare_model(name: str, args: argparse.Namespace, case: bool = False) -> di
     # budget sets one per layer too: layer_budget_use <= 1)
     default["within"] = default["grad_error"] <= default.get("error_target", 0.05)
     rows["acgc_default"] = default
+    if args.acgc_options.get("codec", "quant") == "quant":  # probes: quant only
+        probed = measure(recipe, "acgc", plain, {**args.acgc_options, "probes": PROBES})
+        probed["within"] = probed["grad_error"] <= probed.get("error_target", 0.05)
+        rows["acgc_default_probes"] = probed
     return {"description": recipe.description, "plain_bytes": plain, "results": rows}
 
 
@@ -162,6 +169,9 @@ def plot(result: dict[str, Any], path: str) -> None:
                 [rows[c]["acgc_at_its_error"] for c in BASELINES] + [rows["acgc_default"]],
                 key=lambda r: r["grad_error"],
             ),
+            "acgc default, probes=8": [rows["acgc_default_probes"]]
+            if "acgc_default_probes" in rows
+            else [],
             "acgc, global promise only": sorted(
                 [rows[c]["acgc_global_only"] for c in BASELINES if "acgc_global_only" in rows[c]],
                 key=lambda r: r["grad_error"],
