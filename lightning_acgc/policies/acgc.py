@@ -11,8 +11,9 @@ error stays within E = target · e² · ‖g‖² / κ:
 * ``codec="quant"`` (default): unbiased stochastic rounding with a width per tensor from
   1 to 8 bits, 16 (float16: the ``half`` codec) or kept. Its error per element at each width,
   v_t(b), is measured exactly on calibration steps
-  (:func:`~lightning_acgc.policies.quant_error.sr_variance`); each tensor starts at the
-  smallest width its weight ops' own budgets allow, then greedy upgrades (best error
+  (:func:`~lightning_acgc.policies.quant_error.sr_variance`); tensors start at the
+  fewest bits that keep every weight op within its own budget, all the tensors that
+  reach it at once (:mod:`~.acgc_joint`), then greedy upgrades (best error
   reduction per added bit) bring Σ c_t·v_t(b_t) within E; the budget whole widths leave
   (a bit is ~4x the variance) lowers a share of a tensor's values by one bit (``split``
   codec, filling at most 0.7 of an own budget: quick ResNet at quant2's error, 9.2x ->

@@ -82,7 +82,7 @@ class SensitivityProbes:
 
     probe_refresh = 1  # classes re-probed per calibration once all have a reading
     # classes first probed per calibration (the largest first); 0, the default, turns the
-    # probes off (with the per-layer promise held, they gain BERT-base little: see above)
+    # probes off (the quick recipes' fits lose ratio with them: see above); ``probes=``
     max_probes = 0
 
     def __init__(self) -> None:
