@@ -15,7 +15,7 @@ from lightning_acgc import ActivationCompression
 from lightning_acgc.engine import ActivationCompressor, EngineSettings, compressed_step
 from lightning_acgc.policies import ACGCPolicy, build_policy
 from lightning_acgc.policies.acgc_allocation import quant_allocation
-from lightning_acgc.policies.acgc_probes import PROBE_WIDTH, tensor_class
+from lightning_acgc.policies.acgc_probes import PROBE_WIDTH, PROBED_SHARE, tensor_class
 from lightning_acgc.policies.bit_allocation import LADDER
 from tests._lightning_models import fit
 
@@ -253,3 +253,19 @@ def test_a_module_without_a_weight_op_is_held_to_its_own_budget() -> None:
     policy.setup(model)
     assert "0" not in policy._own_ops and "0.out_proj" in policy._own_ops
     assert set(policy._held_modules({"0": 2.0, "0.out_proj": 1.0})) == {"0", "0.out_proj"}
+
+
+def test_layers_give_their_measured_tensors_more_of_their_budget_once_all_are_probed() -> None:
+    """Until every class the model guesses has a probe reading, half of each layer's
+    budget stays for errors reaching it through δ; once all have one, those errors are
+    measured and in the layer's own budget: it may fill ``PROBED_SHARE`` of it."""
+    policy = _two_blocks()
+    assert policy.own_share() == policy.layer_share == 0.5  # probes off
+    policy.max_probes = 8
+    assert policy.own_share() == 0.5  # none probed yet
+    policy._probe_readings["enc.0.attn:0"] = deque([{"enc.0.q": 1.0}])
+    policy._probed_at["enc.*.attn:0"] = 1
+    assert policy.own_share() == PROBED_SHARE > policy.layer_share
+    policy._sens["dec.0.attn:0"] = deque([(1000, {}, 5.0)])  # a class not probed yet
+    policy._variances["dec.0.attn:0"] = _table(1.0)
+    assert policy.own_share() == 0.5

@@ -7,8 +7,8 @@ error measured against target · e²‖g_m‖² (see :mod:`lightning_acgc.polici
 The bound is held per layer too: a global ‖ĝ − g‖ ≤ e‖g‖ alone lets a layer whose
 gradient is small (attention's query and key at initialization) take a 100% error
 unnoticed, and with Adam, which rescales every coordinate, it then never learns. A
-weight op's own saved input gets at most ``layer_share`` of E·‖g_W‖², divided by a
-per-layer correction μ_m; errors that reach a layer through δ (from the other ops'
+weight op's own saved input gets at most ``layer_share`` of E·‖g_W‖² (with every class
+probed, the probed tensors with it, ``own_share``), divided by a per-layer correction μ_m; errors that reach a layer through δ (from the other ops'
 saved tensors) are weighted by a correction λ. On every verified calibration each
 module's own gradient error is measured against target · e²‖g_m‖²; a module over it by
 r tightens μ_m and λ by r (each the largest of its last ``history`` readings, rising at
@@ -128,6 +128,7 @@ class ModelCorrections:
         worst = use = 0.0
         needs: dict[str, float] = {}  # measured error / budget, per module
         through_delta: dict[str, float] = {}  # the part of that not from its own input
+        share = self.own_share()
         for module, g in module_g.items():
             if g <= self.layer_floor * g_sq:
                 continue
@@ -138,7 +139,7 @@ class ModelCorrections:
             use = max(use, err / (e_m**2 * g))
             needs[module] = err / (budget * g)
             own = self._predicted_own.get(module, 0.0)
-            through_delta[module] = max(err - own, 0.0) / ((1 - self.layer_share) * budget * g)
+            through_delta[module] = max(err - own, 0.0) / ((1 - share) * budget * g)
         self._metrics["layer_grad_error"] = math.sqrt(worst)
         self._metrics["layer_budget_use"] = math.sqrt(use)  # worst ‖ĝ_m − g_m‖ / (e_m‖g_m‖)
         if self._predicted is None or not needs:

@@ -58,6 +58,7 @@ from lightning_acgc.policies.bit_allocation import LADDER
 __all__ = ["PROBE_WIDTH", "SensitivityProbes", "tensor_class"]
 
 PROBE_WIDTH = 2
+PROBED_SHARE = 0.8  # own_share once every class is probed (0.5: layer_share, unprobed)
 _INDEX = re.compile(r"\.\d+(?=[.:])")
 
 
@@ -175,6 +176,17 @@ class SensitivityProbes:
             self._calib_s += self._lap()  # the probe passes and the settling
 
     # -- what the allocation reads -----------------------------------------------------
+    def own_share(self) -> float:
+        """The share of each layer's budget its measured tensors may fill: ``layer_share``
+        (the rest for errors reaching it through δ, which the model guesses), or
+        ``PROBED_SHARE`` once every candidate class has a probe reading (what reaches a
+        layer through δ is then measured and in its own budget)."""
+        if self.max_probes and self._probe_readings:
+            candidates = self._probe_candidates()
+            if candidates and all(c in self._probed_at for c in candidates):
+                return PROBED_SHARE
+        return self.layer_share
+
     def probe_ratios(self, key: str) -> dict[str, float] | None:
         """Tensor ``key``'s measured factor per module over its heuristic factor (mean of
         its readings; a module missing from a reading counts 0), ``None`` if never
