@@ -8,8 +8,9 @@ The bound is held per layer too: a global ‖ĝ − g‖ ≤ e‖g‖ alone lets
 gradient is small (attention's query and key at initialization) take a 100% error
 unnoticed, and with Adam, which rescales every coordinate, it then never learns. A
 weight op's own saved input gets at most ``layer_share`` of E·‖g_W‖² (with every class
-probed, the probed tensors with it, ``own_share``), divided by a per-layer correction μ_m; errors that reach a layer through δ (from the other ops'
-saved tensors) are weighted by a correction λ. On every verified calibration each
+probed, the probed tensors with it, ``own_share``), divided by a per-layer correction
+μ_m; errors that reach a layer through δ (from the other ops' saved tensors) are weighted
+by a correction λ. On every verified calibration each
 module's own gradient error is measured against target · e²‖g_m‖²; a module over it by
 r tightens μ_m and λ by r (each the largest of its last ``history`` readings, rising at
 most 16x per reading). Modules whose gradient is below ``layer_floor`` of ‖g‖² are not
