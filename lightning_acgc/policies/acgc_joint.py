@@ -24,8 +24,9 @@ every module they reach stays within its budget, until none can.
 Used by :func:`~lightning_acgc.policies.acgc_allocation.quant_allocation`. On BERT-base
 (batch 4, sequence 128, e = 0.05, probes on: ``probes=8``) Q, K and V went from 16 bits
 to 8, 4.85x kept instead of 3.18x with the parts split beforehand, every layer within
-e on the measured step. Where each module is reached by one tensor (no probes: a weight
-op's input), the widths are those of the split.
+e on the measured step (at ad7fe18; 5.23x since probed layers fill more of their
+budget). Where each module is reached by one tensor (no probes: a weight op's input),
+the widths are those of the split.
 """
 
 from __future__ import annotations

@@ -15,11 +15,13 @@ Off by default (``probes=0``; ``ACGCPolicy(probes=8)`` or ``compression.probes=8
 turns them on). Each tensor they found reaching a layer held alone to that layer's whole
 budget, BERT-base at e = 0.05 kept 6.1x but the quick transformer's attention went 3x over
 it; with each budget split among its tensors beforehand, 3.2x against 4.1x without
-probes. Met jointly (:mod:`~lightning_acgc.policies.acgc_joint`), BERT-base (batch 4,
-sequence 128) keeps 4.85x with them, every layer within e on the measured step (without
-them: 4.09x, 3 of 102 layers over, the worst at 0.064). ResNet-50 keeps 4.56x instead of
-4.66x, the 3-layer GCN the same 11.4x. On the quick recipes' paired-seed fits they cost
-ratio where they help no loss (README's sweep table), hence off by default.
+probes. Met jointly (:mod:`~lightning_acgc.policies.acgc_joint`), and once every class
+has a reading with 0.8 of each layer's budget for its measured tensors
+(:meth:`~SensitivityProbes.own_share`), BERT-base (batch 4, sequence 128) keeps 5.23x
+with them, every layer within e on the measured step (without them: 4.34x, its worst
+layer at 0.055). ResNet-50 keeps 4.56x instead of 4.66x, the 3-layer GCN 11.5x instead
+of 11.4x. On the quick recipes' paired-seed fits they lower the ratio of three of five
+and gain no loss (README's sweep table), hence off by default.
 
 A probe measures instead. On a verified calibration, after the exact gradient: one more
 forward and backward of the same batch (random state restored) with only one *class* of
