@@ -316,8 +316,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.summarize:
         with args.out.open("a") as f:
             f.write(json.dumps(result) + "\n")
-    if args.plot:
-        plot_sweep(summary, args.plot)
+    if args.plot:  # every configuration the results file holds, not only this run's
+        plot_sweep(summary if args.summarize else summarize(read_runs(args.out)), args.plot)
     print(format_table(summary))
     emit(result)
     return result

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from lightning_acgc.policies.acgc_allocation import _shared_budgets, quant_allocation
+from lightning_acgc.policies.acgc_allocation import _element_shares, quant_allocation
 from lightning_acgc.policies.acgc_joint import joint_min_widths, module_loads
 from lightning_acgc.policies.bit_allocation import KEEP, LADDER
 
@@ -73,9 +73,8 @@ def test_tensors_that_fit_together_at_8_bits_are_not_sent_to_16() -> None:
     args = ({"query": 4.0}, 1e12, 0.5, lambda k: 1.0, lambda m: 1.0, 0.5, {}, 0.125)
     joint, _ = quant_allocation(sens, variances, *args)
     assert joint["t0"] <= 8 and joint["t1"] <= 8
-    # split beforehand (by elements, water-filled), Q's part is under its load at 8 bits
-    coarse = {k: (n, c, max(variances[k])) for k, (n, c, _) in sens.items()}
-    parts = _shared_budgets(coarse, budgets)
+    # split beforehand (by elements), Q's part is under its load at 8 bits
+    parts = _element_shares(sens, budgets)
     assert factors[0]["query"] * qv[8] > 4 * parts["t0"]["query"]
 
 

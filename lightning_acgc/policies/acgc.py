@@ -383,11 +383,12 @@ class ACGCPolicy(
         scale = self.layer_kappa / self.error_target**2
         layer_sq = {m: v * self._layer_errors[m] ** 2 * scale for m, v in layer_sq.items()}
         sens = self.probed_all(average(self._sens))
-        args = (layer_sq, g_sq, e_sq, self.lam, self._own_scale, self.own_share())
+        share = self.own_share()
         if self.codec == "bounded":
+            args = (layer_sq, g_sq, e_sq, self.lam, self._own_scale, share)
             self.bounds = bounded_bounds(sens, *args)
             return
-        args = (layer_sq, g_sq, e_sq, self.tensor_lam, self._own_scale, self.own_share())
+        args = (layer_sq, g_sq, e_sq, self.tensor_lam, self._own_scale, share)
         meta = self._meta_bits / self.group_size
         widths, self.site_split = quant_allocation(
             sens, self._variances, *args, self._raw_bits, meta, self.floors()

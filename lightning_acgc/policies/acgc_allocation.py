@@ -76,46 +76,28 @@ def _layer_budgets(
     return {m: share * e_sq * v / own_scale(m) for m, v in layer_sq.items() if v > 0}
 
 
-def _shared_budgets(
-    entries: dict[str, tuple[int, dict[str, float], float]], budgets: dict[str, float]
+def _element_shares(
+    sens: dict[str, Sensitivity], budgets: dict[str, float]
 ) -> dict[str, dict[str, float]]:
     """Per tensor and module: the part of the module's budget (``budgets``) the tensor may
-    use. ``entries``: per tensor, its elements n, its factors c_m per module and its
-    variance v at the narrowest width. Several tensors reach one module's gradient where
-    probes measured them (attention's Q, K, V and probabilities all reach its projection):
-    each held alone to the whole budget, the quick transformer's attention measured 2.95x
-    it. Split by elements (the split of least bits where the variance falls 4x a bit),
-    water-filled: a tensor whose error at the narrowest width c·v is under its part takes
-    only that, and the rest is split again among the others.
+    use, split by elements among the tensors that reach it (the split of least bits where
+    the variance falls 4x a bit, for continuous widths: the ``bounded`` codec's bounds).
 
     Example:
-        >>> shares = _shared_budgets({"q": (100, {"attn": 1.0}, 0.001),
-        ...                           "p": (100, {"attn": 1.0}, 1.0)}, {"attn": 1.0})
-        >>> round(shares["q"]["attn"], 6), round(shares["p"]["attn"], 6)
-        (0.001, 0.999)
+        >>> shares = _element_shares({"q": (100, {"attn": 1.0}, 0.0),
+        ...                           "p": (300, {"attn": 1.0}, 0.0)}, {"attn": 1.0})
+        >>> shares["q"]["attn"], shares["p"]["attn"]
+        (0.25, 0.75)
     """
-    by_op: dict[str, list[tuple[str, int, float]]] = {}
-    for key, (n, weights, least) in entries.items():
+    elements: dict[str, int] = {}
+    for n, weights, _ in sens.values():
         for m, c in weights.items():
             if c > 0 and m in budgets:
-                by_op.setdefault(m, []).append((key, n, c * least))
-    out: dict[str, dict[str, float]] = {key: {} for key in entries}
-    for m, free in by_op.items():
-        left = budgets[m]
-        while True:
-            total = sum(n for _, n, _ in free)
-            low = [i for i, (_, n, need) in enumerate(free) if need <= left * n / total]
-            if not low or len(low) == len(free):
-                break
-            for i in low:
-                key, _, need = free[i]
-                out[key][m] = need
-                left -= need
-            taken = set(low)
-            free = [t for i, t in enumerate(free) if i not in taken]
-        for key, n, _ in free:
-            out[key][m] = left * n / total
-    return out
+                elements[m] = elements.get(m, 0) + n
+    return {
+        key: {m: budgets[m] * n / elements[m] for m, c in w.items() if c > 0 and m in budgets}
+        for key, (n, w, _) in sens.items()
+    }
 
 
 def _own_budgets(
@@ -147,7 +129,7 @@ def bounded_bounds(
     others = sum(n for n, _, o in sens.values() if o > 0)
     bounds = {}
     budgets = _layer_budgets(layer_sq, e_sq, own_scale, layer_share)
-    shares = _shared_budgets({k: (n, w, 0.0) for k, (n, w, _) in sens.items()}, budgets)
+    shares = _element_shares(sens, budgets)
     for key, (n, weights, other) in sens.items():
         own, orphan = _own_budgets(weights, shares[key])
         other += orphan

@@ -42,7 +42,7 @@ class ModelCorrections:
     """Mixin of :class:`~lightning_acgc.policies.acgc.ACGCPolicy`: reads measured errors
     into κ, λ and μ_m, and logs them. Uses the policy's ``codec``, ``target``, ``error_target``,
     ``history``, ``kappa``, ``_readings``, ``_scope_readings``, ``_own_readings``,
-    ``_predicted``, ``_predicted_own``, ``_own_ops`` and ``_metrics``."""
+    ``_predicted``, ``_predicted_own``, ``_own_ops``, ``_metrics`` and ``own_share``."""
 
     layer_share = 0.5  # part of each layer's E‖g_W‖² that its weight op's input may use
     max_loosening = 2.0  # largest decrease of κ per reading

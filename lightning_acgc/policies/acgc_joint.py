@@ -7,11 +7,12 @@ Where probes measured them, many tensors reach one module (attention's Q, K, V a
 probabilities all reach its query and key projections), and one tensor reaches many.
 
 Splitting each budget among its tensors in advance and holding each tensor alone to its
-part (:func:`~lightning_acgc.policies.acgc_allocation._shared_budgets`) is Lagrange-optimal
-for one budget and continuous widths, but widths are whole and stop at 8 bits before 16:
-BERT-base's query and value tensors each took 19-26% of their query projection's budget
-at 8 bits, where all of that module's tensors at 8 bits fit within it (69%), yet their
-parts (by elements, among every tensor reaching it) were a few percent each, so all went
+part (by elements, as :func:`~lightning_acgc.policies.acgc_allocation._element_shares`
+still does for ``bounded``'s continuous bounds) is Lagrange-optimal for one budget and
+continuous widths, but widths are whole and stop at 8 bits before 16: BERT-base's query
+and value tensors each took 19-26% of their query projection's budget at 8 bits, where
+all of that module's tensors at 8 bits fit within it (69%), yet their parts (by
+elements, among every tensor reaching it) were a few percent each, so all went
 to 16 bits (float16: twice 8 bits' bytes).
 
 Here the constraints are met jointly: every tensor starts at its floor, then, while a
@@ -34,13 +35,9 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from lightning_acgc.policies.bit_allocation import HALF, KEEP, widths_up
+from lightning_acgc.policies.bit_allocation import KEEP, width_cost, widths_up
 
 __all__ = ["joint_min_widths", "module_loads"]
-
-
-def _cost(width: int, raw_bits: int, overhead: float) -> float:
-    return raw_bits if width == KEEP else width if width == HALF else width + overhead
 
 
 def module_loads(
@@ -88,6 +85,9 @@ def joint_min_widths(
     def var(i: int, w: int) -> float:
         return 0.0 if w == KEEP else variances[i][w]
 
+    def cost(i: int, w: int) -> float:
+        return width_cost(w, raw_bits[i], overhead)
+
     loads = module_loads(factors, variances, widths)
     users: dict[str, list[int]] = {}
     for i, c_t in enumerate(factors):
@@ -106,7 +106,7 @@ def joint_min_widths(
         relief = sum(c * drop / budgets[m] for m, c in factors[i].items() if excess(m) > 0)
         if relief <= 0:
             return None
-        bits = max(_cost(nxt, raw_bits[i], overhead) - _cost(w, raw_bits[i], overhead), 1e-3)
+        bits = max(cost(i, nxt) - cost(i, w), 1e-3)
         return relief / (sizes[i] * bits), nxt
 
     version = [0] * n
@@ -143,7 +143,7 @@ def joint_min_widths(
                 lower = ladder[ladder.index(w) - 1]
                 adds = {m: c * (var(i, lower) - var(i, w)) for m, c in factors[i].items()}
                 added = max((a / budgets[m] for m, a in adds.items()), default=0.0)
-                saved = _cost(w, raw_bits[i], overhead) - _cost(lower, raw_bits[i], overhead)
+                saved = cost(i, w) - cost(i, lower)
                 down.append((-sizes[i] * saved / max(added, 1e-300), i, lower, adds))
         stepped = False
         for _, i, lower, adds in sorted(down, key=lambda d: d[:2]):

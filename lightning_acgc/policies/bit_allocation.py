@@ -13,6 +13,7 @@ __all__ = [
     "QUANT_WIDTHS",
     "allocate_bits",
     "allocate_to_error",
+    "width_cost",
     "widths_up",
 ]
 
@@ -74,6 +75,17 @@ def allocate_bits(sizes: Sequence[int], weights: Sequence[float], budget: float)
 KEEP = 0  # a width meaning "not compressed" (the tensor is kept as it is)
 
 
+def width_cost(width: int, raw_bits: int, overhead: float) -> float:
+    """Bits per element at ``width``: ``raw_bits`` kept as it is, none of metadata at
+    ``HALF``, ``overhead`` added to a quantized width.
+
+    Example:
+        >>> width_cost(KEEP, 32, 0.125), width_cost(HALF, 32, 0.125), width_cost(2, 32, 0.125)
+        (32, 16, 2.125)
+    """
+    return raw_bits if width == KEEP else width if width == HALF else width + overhead
+
+
 def widths_up(min_width: int) -> tuple[int, ...]:
     """The widths a tensor may take at or above ``min_width`` (``KEEP`` last)."""
     ladder = (*LADDER, KEEP)
@@ -114,7 +126,7 @@ def allocate_to_error(
         return 0.0 if b == KEEP else errors[i][b]
 
     def cost(i: int, b: int) -> float:
-        return raw_bits[i] if b == KEEP else b if b == HALF else b + overhead
+        return width_cost(b, raw_bits[i], overhead)
 
     widths = list(min_widths)
     total = sum(err(i, b) for i, b in enumerate(widths))
