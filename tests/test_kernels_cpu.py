@@ -164,6 +164,13 @@ def _division_shapes() -> dict[str, torch.Tensor]:
         "4d_relu": nchw.relu(),
         "4d_channels_last": nchw.to(memory_format=torch.channels_last),
         "4d_one_plane": torch.randn(1, 1, 7, 9, generator=g).relu() + 1.0,  # no zeros
+        # rows of whole tiles (the averages in bands, the upsample tile by tile): tile rows
+        # within planes (h a multiple of the block) or not, one row per tile row (2-D), and
+        # a tensor of several threads, bands and blocks of groups
+        "4d_whole_tiles": torch.randn(2, 3, 16, 24, generator=g).relu(),
+        "4d_short_tile_rows": torch.randn(2, 3, 13, 16, generator=g),
+        "2d_whole_tiles": torch.randn(40, 72, generator=g),
+        "4d_large": torch.randn(4, 16, 40, 48, generator=g).relu(),
     }
 
 

@@ -1,9 +1,11 @@
 """The compiled CPU kernels built for a CPU without AVX-512 (``-march=x86-64-v2``): the
 paths the build machine's own flags skip (fastcpu.c's AVX-512 VBMI byte permutations of
-the 3/5/6/7-bit streams have a scalar twin) give the reference's bytes too."""
+the 3/5/6/7-bit streams and its AVX-512 statistics and zero bits have portable twins)
+give the reference's bytes too."""
 
 from __future__ import annotations
 
+import math
 import platform
 
 import pytest
@@ -31,9 +33,10 @@ def portable_library(tmp_path_factory):
     lib = cpu_lib.cpu_library.__wrapped__()
     assert lib is not None
     import lightning_acgc.kernels.bounded.cpu as bounded_cpu
+    import lightning_acgc.kernels.division.cpu as division_cpu
     import lightning_acgc.kernels.quant.cpu as quant_cpu
 
-    for module in (quant_cpu, bounded_cpu):
+    for module in (quant_cpu, bounded_cpu, division_cpu):
         patch.setattr(module, "cpu_library", lambda: lib)
     yield lib
     patch.undo()
@@ -73,3 +76,21 @@ def test_portable_bounded_matches_reference(portable_library) -> None:
     for k in ref:  # NaN-safe where a view as bytes is possible (0-d bounds compare as is)
         a, b = (t.reshape(-1).view(torch.uint8) for t in (ref[k], got[k]))
         assert ref[k].dtype == got[k].dtype and torch.equal(a, b), k
+
+
+@pytest.mark.parametrize("shape", [(70001,), (2, 16, 40, 48), (3, 5, 13, 22)], ids=str)
+def test_portable_division_matches_reference(portable_library, shape) -> None:
+    from lightning_acgc.kernels.division import division_decode_ref, division_encode_ref
+    from lightning_acgc.kernels.division.cpu import _decode_fused, _encode_fused
+
+    x = _relu_tensor()[: math.prod(shape)].reshape(shape)
+    for low_dtype in (torch.bfloat16, torch.float32):
+        ref = division_encode_ref(x, 8, 2, 256, low_dtype, 3)
+        got = _encode_fused(x, 8, 2, 256, low_dtype, 3)
+        assert got is not None and ref.keys() == got.keys()
+        for k in ref:
+            a, b = (t.reshape(-1).view(torch.uint8) for t in (ref[k], got[k]))
+            assert ref[k].dtype == got[k].dtype and torch.equal(a, b), k
+        out = _decode_fused(ref, x.shape, torch.float32, 8, 2, 256)
+        assert out is not None
+        assert torch.equal(out, division_decode_ref(ref, x.shape, torch.float32, 8, 2, 256))

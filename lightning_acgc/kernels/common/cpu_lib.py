@@ -56,7 +56,7 @@ _SIGNATURES = {
     "acgc_pool_last": (None, [_P, _I64, _I64, _I64, _P, _I32]),
     "acgc_zero_pattern": (None, [_P, _I64, _P, _P, _I32]),
     "acgc_division_finish": (None, [_P, _I64, _F32, _P, _F32, _I32]),
-    "acgc_division_low": (_I32, [_P, *_VIEW, _I32, _P, _I32]),
+    "acgc_division_low": (_I32, [_P, *_VIEW, _I32, _P, _P, _I32]),
     "acgc_division_residual": (
         _I32,
         [_P, *_VIEW, _P, _I32, _I64, _U32, _P, _P, _P, _P, _P, _I32],

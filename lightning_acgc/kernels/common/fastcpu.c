@@ -9,7 +9,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -37,11 +37,55 @@ static inline uint32_t lowbias32(uint32_t x) {
 /* What lane_stats computes (a constant argument: the unused lanes vanish once inlined). */
 enum { STAT_MIN = 1, STAT_MAX = 2, STAT_POS = 4, STAT_FINITE = 8, STAT_ALL = 15 };
 
+#if defined(__AVX512F__)
+/* 16 lanes folded in halves as lane_stats' portable code folds them: lane k takes
+ * lane k + half where that one is smaller (larger), half = 8, 4, 2, 1. */
+static inline float fold_min(__m512 v) {
+    __m256 a = _mm512_castps512_ps256(v);
+    __m256 b = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    a = _mm256_min_ps(b, a);
+    __m128 c = _mm_min_ps(_mm256_extractf128_ps(a, 1), _mm256_castps256_ps128(a));
+    c = _mm_min_ps(_mm_movehl_ps(c, c), c);
+    return _mm_cvtss_f32(_mm_min_ss(_mm_movehdup_ps(c), c));
+}
+
+static inline float fold_max(__m512 v) {
+    __m256 a = _mm512_castps512_ps256(v);
+    __m256 b = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    a = _mm256_max_ps(b, a);
+    __m128 c = _mm_max_ps(_mm256_extractf128_ps(a, 1), _mm256_castps256_ps128(a));
+    c = _mm_max_ps(_mm_movehl_ps(c, c), c);
+    return _mm_cvtss_f32(_mm_max_ss(_mm_movehdup_ps(c), c));
+}
+#endif
+
 /* Of p[0..len), as `want` asks: the min (*lo), max (*hi) and smallest positive value
  * (*min_pos, inf if none); returns 1 if STAT_FINITE is asked and some value is NaN or
  * +-inf (the other outputs then meaningless), else 0. */
 static inline int lane_stats(const float *p, int64_t len, int want, float *lo, float *hi,
                              float *min_pos) {
+#if defined(__AVX512F__)
+    /* the same 16 lanes and folds in registers: _mm512_min_ps(v, m) is v < m ? v : m,
+     * element for element (NaN and equal zeros included), as the selects below are; the
+     * compiler kept those lanes and their folds in memory (a fifth of division's encode) */
+    __m512 mn = _mm512_set1_ps(INFINITY), mx = _mm512_set1_ps(-INFINITY), mp = mn;
+    __m512 top = _mm512_set1_ps(3.4028234663852886e38f), zero = _mm512_setzero_ps();
+    __mmask16 nf = 0;
+    for (int64_t i = 0; i < len; i += 16) {
+        __mmask16 m = len - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - i)) - 1);
+        __m512 v = _mm512_maskz_loadu_ps(m, p + i);
+        if (want & STAT_FINITE)
+            nf |= m & ~_mm512_cmp_ps_mask(_mm512_abs_ps(v), top, _CMP_LE_OQ);
+        if (want & STAT_MIN) mn = _mm512_mask_min_ps(mn, m, v, mn);
+        if (want & STAT_MAX) mx = _mm512_mask_max_ps(mx, m, v, mx);
+        if (want & STAT_POS)
+            mp = _mm512_mask_min_ps(mp, m & _mm512_cmp_ps_mask(v, zero, _CMP_GT_OQ), v, mp);
+    }
+    *lo = fold_min(mn);
+    *hi = fold_max(mx);
+    *min_pos = fold_min(mp);
+    return nf != 0;
+#else
     /* 16 independent lanes (elementwise selects, which the compiler vectorizes; a float
      * min/max reduction it would not, without -ffast-math). */
     float mn[16], mx[16], mp[16];
@@ -79,6 +123,7 @@ static inline int lane_stats(const float *p, int64_t len, int want, float *lo, f
     *hi = mx[0];
     *min_pos = mp[0];
     return nonfinite;
+#endif
 }
 
 /* Min, max and smallest positive value of p[0..len); returns 1 if some value is NaN or
@@ -960,6 +1005,15 @@ void acgc_pool_last(const float *x, int64_t rows, int64_t w, int64_t blk, float 
  * of byte b is p[8b + k] == 0, tail bits 0. 8 flag bytes (0/1) become one byte by a
  * multiply that gathers bit 8k into bit 56 + k. */
 static inline void zero_bits(const float *p, int64_t len, uint8_t *out) {
+#if defined(__AVX512F__)
+    for (int64_t i = 0; i < len; i += 16) { /* a compare's 16-bit mask is two such bytes */
+        __mmask16 m = len - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - i)) - 1);
+        uint16_t z = m & _mm512_cmp_ps_mask(_mm512_maskz_loadu_ps(m, p + i),
+                                            _mm512_setzero_ps(), _CMP_EQ_OQ);
+        out[i / 8] = (uint8_t)z;
+        if (len - i > 8) out[i / 8 + 1] = (uint8_t)(z >> 8);
+    }
+#else
     uint8_t z[CHUNK + 8];
     for (int64_t i = 0; i < len; i++) z[i] = p[i] == 0.0f;
     for (int64_t i = len; i < len + 8; i++) z[i] = 0;
@@ -968,6 +1022,7 @@ static inline void zero_bits(const float *p, int64_t len, uint8_t *out) {
         memcpy(&w, z + 8 * b, 8); /* little-endian hosts (x86-64, aarch64) */
         out[b] = (uint8_t)((w * 0x0102040810204080ULL) >> 56);
     }
+#endif
 }
 
 /* Bit i % 8 of byte i / 8 of packed is x[i] == 0 (mask layout; tail bits 0), and *min_pos
@@ -1037,6 +1092,7 @@ void acgc_division_finish(float *out, int64_t n, float fmax, const uint8_t *zmas
  * the group's zero bits and statistics of x. The same bits as the reference. ---- */
 
 #define LOW_TILES 256 /* output columns per work item of acgc_division_low */
+#define LOW_BAND 2048 /* tile averages of one tile row computed in one call */
 
 /* torch's float32 -> bfloat16 conversion (round to nearest even) of a finite value, back
  * as float32. */
@@ -1066,17 +1122,74 @@ static inline void tile_means(const float *p, int64_t t0, int64_t t1, int64_t w,
     }
 }
 
+/* o[0..len) divided by rows (the rows summed into them, 1: none), rounded to bfloat16
+ * values if bf16, those also as bfloat16 into o16 unless it is NULL (their high halves:
+ * the payload's averages, with no pass of torch's over them); returns 1 if some result is
+ * not finite or subnormal (conversions that flush them would differ), else 0. */
+static inline int finish_means(float *o, int64_t len, int64_t rows, int bf16, uint16_t *o16) {
+    int status = 0;
+    for (int64_t t = 0; t < len; t++) {
+        float v = rows > 1 ? o[t] / (float)rows : o[t];
+        if (bf16 && fabsf(v) <= 3.4028234663852886e38f) v = bf16_round(v);
+        status |= !(fabsf(v) <= 3.4028234663852886e38f) || (v != 0.0f && fabsf(v) < 1.17549435e-38f);
+        o[t] = v;
+    }
+    if (o16)
+        for (int64_t t = 0; t < len; t++) o16[t] = (uint16_t)(bits_of(o[t]) >> 16);
+    return status;
+}
+
+/* The averages of tile rows j0..j1 of an image of h rows of whole tiles (w % blk == 0;
+ * xp its values, o its (ho, wo) averages; several planes make one image where h % blk == 0
+ * or no rows are pooled): those rows lie one after the other, so one tile_means call
+ * averages all their tiles (a row of a few tiles alone does not vectorize: 3x slower),
+ * then each tile row sums its rows' averages in order, as acgc_division_low's general loop
+ * does. (j1 - j0) tile rows hold at most LOW_BAND tiles. */
+static inline int band_means(const float *xp, int64_t h, int64_t w, int64_t blk, int ph,
+                             int64_t j0, int64_t j1, int bf16, float *o, uint16_t *o16) {
+    int64_t wo = w / blk, r0 = ph ? j0 * blk : j0, r1 = ph ? (j1 * blk < h ? j1 * blk : h) : j1;
+    float v[LOW_BAND];
+    tile_means(xp + r0 * w, 0, (r1 - r0) * wo, (r1 - r0) * w, blk, v);
+    int status = 0, same = !ph || h % blk == 0; /* every tile row of blk rows (or of 1) */
+    for (int64_t j = j0; j < j1; j++) {
+        int64_t a = ph ? j * blk : j, b = ph ? (a + blk < h ? a + blk : h) : j + 1;
+        float *oj = o + j * wo;
+        const float *va = v + (a - r0) * wo;
+        for (int64_t t = 0; t < wo; t++) oj[t] = ph ? 0.0f + va[t] : va[t];
+        for (int64_t r = 1; r < b - a; r++)
+            for (int64_t t = 0; t < wo; t++) oj[t] = oj[t] + va[r * wo + t];
+        if (!same) status |= finish_means(oj, wo, b - a, bf16, o16 ? o16 + j * wo : 0);
+    }
+    if (same)
+        status |= finish_means(o + j0 * wo, (j1 - j0) * wo, ph ? blk : 1, bf16,
+                               o16 ? o16 + j0 * wo : 0);
+    return status;
+}
+
 /* The block averages into low, (planes, ho, wo) float32 (ho = ceil(h / blk) if ph, else
  * h; wo likewise), in the reference's order: along w first (each tile summed in order from
  * 0, divided by its count), then along h over those averages; rounded to bfloat16 values
- * if bf16. Returns 0, or 1 when some average is not finite (NaN/inf in x, or a float32 sum
+ * if bf16, and then also written as bfloat16 into low16 unless it is NULL. Returns 0, or 1 when some average is not finite (NaN/inf in x, or a float32 sum
  * that overflowed), or is subnormal or beyond bfloat16's range after rounding: the caller
  * then takes the reference's path. */
 int acgc_division_low(const float *x, int64_t planes, int64_t h, int64_t w, int64_t blk, int ph,
-                      int pw, int bf16, float *low, int nthreads) {
+                      int pw, int bf16, float *low, uint16_t *low16, int nthreads) {
     int64_t ho = ph ? (h + blk - 1) / blk : h, wo = pw ? (w + blk - 1) / blk : w;
-    int64_t chunks = (wo + LOW_TILES - 1) / LOW_TILES, items = planes * ho * chunks;
     int status = 0;
+    int64_t band = (ph ? blk : 1) * wo;
+    if (pw && w % blk == 0 && band <= LOW_BAND) { /* rows of whole tiles, in bands */
+        int flat = !ph || h % blk == 0; /* tile rows never cross planes: one image */
+        int64_t ih = flat ? planes * h : h, iho = flat ? planes * ho : ho, ims = flat ? 1 : planes;
+        int64_t per = LOW_BAND / band, bands = (iho + per - 1) / per;
+#pragma omp parallel for schedule(static) num_threads(THREADS(planes * h * w)) reduction(| : status)
+        for (int64_t it = 0; it < ims * bands; it++) {
+            int64_t pl = it / bands, j0 = it % bands * per, j1 = j0 + per < iho ? j0 + per : iho;
+            status |= band_means(x + pl * ih * w, ih, w, blk, ph, j0, j1, bf16, low + pl * iho * wo,
+                                 low16 ? low16 + pl * iho * wo : 0);
+        }
+        return status;
+    }
+    int64_t chunks = (wo + LOW_TILES - 1) / LOW_TILES, items = planes * ho * chunks;
 #pragma omp parallel for schedule(static) num_threads(THREADS(planes * h * w)) reduction(| : status)
     for (int64_t it = 0; it < items; it++) {
         int64_t pl = it / (ho * chunks), j = it / chunks % ho, ch = it % chunks;
@@ -1093,13 +1206,8 @@ int acgc_division_low(const float *x, int64_t planes, int64_t h, int64_t w, int6
             for (int64_t t = t0; t < t1; t++)
                 o[t] = !ph ? v[t - t0] : (r == r0 ? 0.0f : o[t]) + v[t - t0];
         }
-        for (int64_t t = t0; t < t1; t++) {
-            float v = ph ? o[t] / (float)(r1 - r0) : o[t];
-            if (bf16 && fabsf(v) <= 3.4028234663852886e38f) v = bf16_round(v);
-            /* not finite, or subnormal (conversions that flush them would differ) */
-            status |= !(fabsf(v) <= 3.4028234663852886e38f) || (v != 0.0f && fabsf(v) < 1.17549435e-38f);
-            o[t] = v;
-        }
+        status |= finish_means(o + t0, t1 - t0, ph ? r1 - r0 : 1, bf16,
+                               low16 ? low16 + (pl * ho + j) * wo + t0 : 0);
     }
     return status;
 }
@@ -1110,6 +1218,22 @@ int acgc_division_low(const float *x, int64_t planes, int64_t h, int64_t w, int6
 static void upsample_span(const float *low, int64_t i0, int64_t len, int64_t h, int64_t w,
                           int64_t blk, int ph, int pw, float *up) {
     int64_t ho = ph ? (h + blk - 1) / blk : h, wo = pw ? (w + blk - 1) / blk : w;
+    if (pw && blk == 8 && w % 8 == 0 && i0 % 8 == 0 && len % 8 == 0) {
+        /* the default block on rows of whole tiles: one tile per 8 outputs, a counter per
+         * tile and per row (the loop below costs 3x as much on rows of a few tiles) */
+        int64_t c = i0 / 8, cend = (i0 + len) / 8, t = c % wo, rows = c / wo;
+        int64_t row = rows % h, pl = rows / h, base = (pl * ho + (ph ? row / 8 : row)) * wo;
+        for (float *u = up; c < cend; c++, u += 8) {
+            float v = low[base + t];
+            for (int k = 0; k < 8; k++) u[k] = v;
+            if (++t == wo) {
+                t = 0;
+                if (++row == h) row = 0, pl++;
+                base = (pl * ho + (ph ? row / 8 : row)) * wo;
+            }
+        }
+        return;
+    }
     int64_t i = i0, end = i0 + len, col = i % w, rr = i / w;
     int64_t k0 = 0, row = rr % h, pl = rr / h; /* divisions once, then counters */
     int64_t trow = ph ? row / blk : row, rin = ph ? row % blk : 0;
@@ -1147,47 +1271,91 @@ static void upsample_span(const float *low, int64_t i0, int64_t len, int64_t h, 
     }
 }
 
+/* r[k] = p[k] - r[k] for k < len (len <= CHUNK), with p's min (*lo), smallest positive
+ * value (*min_pos, inf if none) and zero bits (zero_bits' layout, into out) from the same
+ * loads where AVX-512 is there (one pass instead of three: a tenth of division's encode). */
+static inline void subtract_scan(const float *p, float *r, int64_t len, uint8_t *out, float *lo,
+                                 float *min_pos) {
+#if defined(__AVX512F__)
+    __m512 mn = _mm512_set1_ps(INFINITY), mp = mn, zero = _mm512_setzero_ps();
+    for (int64_t i = 0; i < len; i += 16) {
+        __mmask16 m = len - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - i)) - 1);
+        __m512 v = _mm512_maskz_loadu_ps(m, p + i);
+        _mm512_mask_storeu_ps(r + i, m, _mm512_sub_ps(v, _mm512_maskz_loadu_ps(m, r + i)));
+        mn = _mm512_mask_min_ps(mn, m, v, mn);
+        mp = _mm512_mask_min_ps(mp, m & _mm512_cmp_ps_mask(v, zero, _CMP_GT_OQ), v, mp);
+        uint16_t z = m & _mm512_cmp_ps_mask(v, zero, _CMP_EQ_OQ);
+        memcpy(out + i / 8, &z, len - i > 8 ? 2 : 1);
+    }
+    *lo = fold_min(mn);
+    *min_pos = fold_min(mp);
+#else
+    for (int64_t k = 0; k < len; k++) r[k] = p[k] - r[k];
+    float hi;
+    *min_pos = INFINITY;
+    lane_stats(p, len, STAT_MIN | STAT_POS, lo, &hi, min_pos);
+    zero_bits(p, len, out);
+#endif
+}
+
 /* The residual r = x - upsample(low) of each group of gs <= CHUNK values, quantized and
  * packed as acgc_quant_encode does with float32 metadata (r's tail group padded with
  * r[n-1]); zbits gets x == 0 in the mask layout, stats[0..1] x's min and smallest positive
  * value (inf if none: where x's max is <= 0). Called after acgc_division_low returned 0
- * (x finite). Returns 0, or 1 when some residual is not finite or a group's range or
- * inverse is beyond float32 (the caller takes the reference's path). */
+ * (x finite). Works on blocks of CHUNK / gs whole groups (one upsample, one pass of x's
+ * statistics and zero bits a block; the groups' parameters computed side by side, as
+ * acgc_quant_encode does: a quarter less time than group by group). Returns 0, or 1 when
+ * some residual is not finite or a group's range or inverse is beyond float32 (the caller
+ * takes the reference's path). */
 int acgc_division_residual(const float *x, int64_t planes, int64_t h, int64_t w, int64_t blk,
                            int ph, int pw, const float *low, int bits, int64_t gs, uint32_t key,
                            float *out_lo, float *out_scale, uint8_t *codes, uint8_t *zbits,
                            float *stats, int nthreads) {
     int64_t n = planes * h * w, groups = (n + gs - 1) / gs;
+    int64_t per = CHUNK / gs > 0 ? CHUNK / gs : 1, blocks = (groups + per - 1) / per;
     float pad;
     upsample_span(low, n - 1, 1, h, w, blk, ph, pw, &pad);
     pad = x[n - 1] - pad;
     float mn = INFINITY, mp = INFINITY;
     int status = 0;
 #pragma omp parallel for schedule(static) num_threads(THREADS(n)) reduction(min : mn, mp) reduction(| : status)
-    for (int64_t g = 0; g < groups; g++) {
-        int64_t i0 = g * gs, len = n - i0 < gs ? n - i0 : gs;
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t g0 = b * per, i0 = g0 * gs, len = n - i0 < per * gs ? n - i0 : per * gs;
+        int m = (int)((len + gs - 1) / gs);
         const float *p = x + i0;
         float r[CHUNK];
         upsample_span(low, i0, len, h, w, blk, ph, pw, r);
-        for (int64_t k = 0; k < len; k++) r[k] = p[k] - r[k];
+        float xl, xp;
+        subtract_scan(p, r, len, zbits + i0 / 8, &xl, &xp);
+        mn = xl < mn ? xl : mn;
+        mp = xp < mp ? xp : mp;
         /* x is finite (acgc_division_low declined NaN/inf, their averages not being
          * finite), so r is finite or +-inf where x - up overflowed, which its min or max
          * shows; its smallest positive value matters only to a zero-kept group */
-        float lo, hi, pos = INFINITY, iv, tp;
-        uint8_t z;
-        lane_stats(r, len, STAT_MIN | STAT_MAX, &lo, &hi, &pos);
-        if (lo == 0.0f && hi > 0.0f) lane_stats(r, len, STAT_POS, &iv, &iv, &pos);
-        if (lo == -INFINITY || hi == INFINITY ||
-            !group_param(lo, hi, pos, bits, 0, out_lo + g, out_scale + g, &iv, &tp, &z)) {
+        float lo[CHUNK / 8], hi[CHUNK / 8], pos[CHUNK / 8], iv[CHUNK / 8], tp[CHUNK / 8];
+        uint8_t z[CHUNK / 8];
+        int ok = 1;
+        for (int k = 0; k < m; k++) {
+            int64_t glen = len - k * gs < gs ? len - k * gs : gs;
+            float *rk = r + k * gs;
+            pos[k] = INFINITY;
+            lane_stats(rk, glen, STAT_MIN | STAT_MAX, &lo[k], &hi[k], &pos[k]);
+            if (lo[k] == 0.0f && hi[k] > 0.0f)
+                lane_stats(rk, glen, STAT_POS, &iv[k], &iv[k], &pos[k]);
+            ok &= lo[k] != -INFINITY && hi[k] != INFINITY;
+        }
+        for (int k = 0; ok && k < m; k++)
+            ok &= group_param(lo[k], hi[k], pos[k], bits, 0, out_lo + g0 + k, out_scale + g0 + k,
+                              &iv[k], &tp[k], &z[k]);
+        if (!ok) {
             status = 1;
             continue;
         }
-        pack_span(r, len, pad, i0, gs, bits, out_lo[g], iv, tp, z, key,
-                  codes + g * (gs * bits / 8));
-        lane_stats(p, len, STAT_MIN | STAT_POS, &lo, &hi, &pos);
-        mn = lo < mn ? lo : mn;
-        mp = pos < mp ? pos : mp;
-        zero_bits(p, len, zbits + i0 / 8);
+        for (int k = 0; k < m; k++) {
+            int64_t glen = len - k * gs < gs ? len - k * gs : gs;
+            pack_span(r + k * gs, glen, pad, i0 + k * gs, gs, bits, out_lo[g0 + k], iv[k], tp[k],
+                      z[k], key, codes + (g0 + k) * (gs * bits / 8));
+        }
     }
     stats[0] = mn;
     stats[1] = mp;

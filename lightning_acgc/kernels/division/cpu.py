@@ -120,8 +120,10 @@ def _encode_fused(
     low_shape = [_pooled(s, i in axes, block) for i, s in enumerate(x.shape)]
     low = torch.empty(low_shape, dtype=torch.float32)
     bf16 = int(low_dtype == torch.bfloat16)
+    low16 = torch.empty(low_shape, dtype=torch.bfloat16) if bf16 else low
     args = (planes, h, w, block, ph, pw)
-    if lib.acgc_division_low(xf.data_ptr(), *args, bf16, low.data_ptr(), threads):
+    out16 = low16.data_ptr() if bf16 else None
+    if lib.acgc_division_low(xf.data_ptr(), *args, bf16, low.data_ptr(), out16, threads):
         return None
     n = xf.numel()
     groups = -(-n // group_size)
@@ -135,7 +137,7 @@ def _encode_fused(
         return None
     x_min, min_pos = stats.tolist()
     payload = {
-        "low": low.to(low_dtype),
+        "low": low16,
         "codes": codes,
         "lo": lo,
         "scale": scale,
