@@ -1047,6 +1047,24 @@ void acgc_zero_pattern(const float *x, int64_t n, uint8_t *packed, float *min_po
  * bit k of byte b for o[8b + k]), max(o, min_pos) and +0.0 where the bit is set. */
 static inline void finish_chunk(float *o, int64_t len, float fmax, const uint8_t *zm,
                                 float min_pos) {
+#if defined(__AVX512F__)
+    /* the selects below, one compare each, in their operand order (NaN kept by the
+     * clamp, replaced by min_pos), and the mask's bits as a write mask (+0.0 where set) */
+    __m512 lo = _mm512_set1_ps(-fmax), hi = _mm512_set1_ps(fmax), mp = _mm512_set1_ps(min_pos);
+    for (int64_t i = 0; i < len; i += 16) {
+        __mmask16 m = len - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - i)) - 1);
+        __m512 v = _mm512_maskz_loadu_ps(m, o + i);
+        v = _mm512_max_ps(lo, v);
+        v = _mm512_min_ps(hi, v);
+        v = _mm512_max_ps(v, mp);
+        if (zm) {
+            uint16_t z = zm[i / 8];
+            if (len - i > 8) z |= (uint16_t)(zm[i / 8 + 1] << 8);
+            v = _mm512_maskz_mov_ps((__mmask16)~z, v);
+        }
+        _mm512_mask_storeu_ps(o + i, m, v);
+    }
+#else
     if (!zm) { /* min_pos: -inf, or the positive tensor's minimum */
         for (int64_t i = 0; i < len; i++) {
             float v = o[i];
@@ -1071,6 +1089,7 @@ static inline void finish_chunk(float *o, int64_t len, float fmax, const uint8_t
         u &= keep[i];
         memcpy(&o[i], &u, 4);
     }
+#endif
 }
 
 /* In place: out = max(clamp(out, -fmax, fmax), min_pos) (-inf: no floor) and, with a zero
@@ -1372,12 +1391,16 @@ int acgc_division_decode(const uint8_t *codes, int64_t planes, int64_t h, int64_
                          float min_pos, float *out, int nthreads) {
     int64_t n = planes * h * w, groups = (n + gs - 1) / gs;
     if (meta_wide(lo, scale, 0, groups, bits)) return 1;
+    int64_t per = CHUNK / gs > 0 ? CHUNK / gs : 1, blocks = (groups + per - 1) / per;
 #pragma omp parallel for schedule(static) num_threads(THREADS(n))
-    for (int64_t g = 0; g < groups; g++) {
-        int64_t i0 = g * gs, len = n - i0 < gs ? n - i0 : gs;
+    for (int64_t b = 0; b < blocks; b++) { /* blocks of whole groups, as the encoder's */
+        int64_t g0 = b * per, i0 = g0 * gs, len = n - i0 < per * gs ? n - i0 : per * gs;
         float *o = out + i0;
-        unpack_group(codes + g * (gs * bits / 8), len, gs, bits, lo[g], fabsf(scale[g]),
-                     signbit(scale[g]) ? 1 : 0, o);
+        for (int64_t k = 0; k * gs < len; k++) {
+            int64_t g = g0 + k, glen = len - k * gs < gs ? len - k * gs : gs;
+            unpack_group(codes + g * (gs * bits / 8), glen, gs, bits, lo[g], fabsf(scale[g]),
+                         signbit(scale[g]) ? 1 : 0, o + k * gs);
+        }
         float up[CHUNK];
         upsample_span(low, i0, len, h, w, blk, ph, pw, up);
         for (int64_t k = 0; k < len; k++) o[k] = o[k] + up[k];
