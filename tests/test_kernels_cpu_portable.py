@@ -1,5 +1,5 @@
 """The compiled CPU kernels built for a CPU without AVX-512 (``-march=x86-64-v2``): the
-paths the build machine's own flags skip (fastcpu.c's AVX-512 VBMI byte permutations of
+paths the build machine's own flags skip (the C kernels' AVX-512 VBMI byte permutations of
 the 3/5/6/7-bit streams and its AVX-512 statistics and zero bits have portable twins)
 give the reference's bytes too."""
 

@@ -1,4 +1,4 @@
-"""Compiled CPU path of the ``bounded`` codec (``common/fastcpu.c``), bit-identical to
+"""Compiled CPU path of the ``bounded`` codec (``common/csrc/bounded.c``), bit-identical to
 :mod:`lightning_acgc.kernels.bounded.reference` (the specification).
 
 Three stages, as in the Triton launcher: C reduces each group's min, max, smallest

@@ -1,4 +1,4 @@
-"""Compiled CPU path of the per-channel normalization (``common/fastcpu.c``), equal to
+"""Compiled CPU path of the per-channel normalization (``common/csrc/channels.c``), equal to
 :func:`lightning_acgc.kernels.channels.reference.normalize_channels` (up to the sign of
 zeros): one pass for the channels' ranges, one for the output, against the reference's
 four passes and some twenty small ops."""

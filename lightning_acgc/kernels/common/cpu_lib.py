@@ -1,10 +1,11 @@
 """Build (once, with the machine's C compiler) and load the compiled CPU kernels.
 
-``fastcpu.c`` needs no torch headers: the kernels receive data pointers
-(``tensor.data_ptr()``) through ctypes. On first use it is compiled with ``cc -O3
--fopenmp`` into a cache folder (``$LIGHTNING_ACGC_CACHE``, else
-``$XDG_CACHE_HOME/lightning_acgc``, else ``~/.cache/lightning_acgc``), keyed by a hash of
-the source, the flags and the CPU, which prints one line. Without a compiler (or with
+The C sources in ``csrc/`` (one file per codec, their shared helpers in ``fastcpu.h``)
+need no torch headers: the kernels receive data pointers (``tensor.data_ptr()``) through
+ctypes. On first use they are compiled with ``cc -O3 -fopenmp`` into one library in a
+cache folder (``$LIGHTNING_ACGC_CACHE``, else ``$XDG_CACHE_HOME/lightning_acgc``, else
+``~/.cache/lightning_acgc``), keyed by a hash of the sources, the flags and the CPU, which
+prints one line. Without a compiler (or with
 ``LIGHTNING_ACGC_CPU_LIB=0``) the codecs use their pure-torch references, and one line
 says so.
 """
@@ -23,7 +24,8 @@ from pathlib import Path
 
 __all__ = ["cpu_library", "cpu_threads"]
 
-_SOURCE = Path(__file__).with_name("fastcpu.c")
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = sorted(_CSRC.glob("*.c"))  # the header is in the cache key too (_source_bytes)
 # -ffp-contract=off: no FMA contraction (bit-identical to torch's separate operations);
 # -fno-trapping-math: the same values, but selects and divisions in loops vectorize (with
 # trapping math GCC keeps every conditional element scalar: bounded encode 18 ns/value).
@@ -103,6 +105,12 @@ def _cpu_id() -> bytes:
     return next((ln for ln in lines if ln.startswith("flags")), "").encode()
 
 
+def _source_bytes() -> bytes:
+    """Every C source and header, each after its name (a renamed file changes the key)."""
+    files = sorted(p for p in _CSRC.iterdir() if p.suffix in (".c", ".h"))
+    return b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in files)
+
+
 def _notice(msg: str) -> None:
     print(f"lightning_acgc: {msg}", file=sys.stderr)
 
@@ -112,7 +120,7 @@ def _build(compiler: str, target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
         subprocess.run(
-            [compiler, *_FLAGS, str(_SOURCE), "-o", str(out)],
+            [compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(out)],
             check=True,
             capture_output=True,
             timeout=120,
@@ -137,7 +145,7 @@ def cpu_library() -> ctypes.CDLL | None:
     if compiler is None:
         _notice(f"no C compiler (cc/gcc) found; {fallback}")
         return None
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + _cpu_id())
+    key = hashlib.sha256(_source_bytes() + " ".join(_FLAGS).encode() + _cpu_id())
     target = _cache_dir() / f"fastcpu-{key.hexdigest()[:16]}.so"
     try:
         if not target.exists():

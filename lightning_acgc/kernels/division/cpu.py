@@ -1,7 +1,7 @@
 """CPU path of the ``division`` codec, the same payload and values as the reference.
 
 Tensors of 1 to 4 dimensions (float32 averages, float32 or bfloat16 ``low``, quant groups of
-at most 4096) take the fused kernels of ``common/fastcpu.c``: the encoder in two passes
+at most 4096) take the fused kernels of ``common/csrc/division.c``: the encoder in two passes
 (the block averages; then per quant group the residual in a buffer, quantized and packed,
 with the group's zero bits), the decoder in one (per group: unpack, add the averages,
 clamp, zero mask), with no full-size temporary. Other tensors, and the rare ones the fused
@@ -85,7 +85,7 @@ CPU_KERNELS = Kernels(
 )
 
 
-_FUSED_MAX_GROUP = 4096  # fastcpu.c's CHUNK: a group's residual buffer
+_FUSED_MAX_GROUP = 4096  # the C kernels' CHUNK: a group's residual buffer
 
 
 def _fused_view(shape: Sequence[int]) -> tuple[int, int, int, int, int] | None:

@@ -1,4 +1,4 @@
-"""Compiled CPU path of the ``intpack`` codec (``common/fastcpu.c``): the payload of
+"""Compiled CPU path of the ``intpack`` codec (``common/csrc/intpack.c``): the payload of
 :mod:`lightning_acgc.kernels.intpack.reference`, byte for byte, in two passes (the
 groups' minima and the widest residual; then the bit stream, parallel over blocks of
 whole words) instead of a tensor of one byte per bit; and the window mode of

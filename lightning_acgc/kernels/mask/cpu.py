@@ -1,4 +1,4 @@
-"""Compiled CPU path of the ``mask`` codec (``common/fastcpu.c``), bit-identical to
+"""Compiled CPU path of the ``mask`` codec (``common/csrc/mask.c``), bit-identical to
 :mod:`lightning_acgc.kernels.mask.reference`."""
 
 from __future__ import annotations

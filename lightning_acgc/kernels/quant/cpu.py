@@ -1,4 +1,4 @@
-"""Compiled CPU path of the ``quant`` codec (``common/fastcpu.c``), bit-identical to
+"""Compiled CPU path of the ``quant`` codec (``common/csrc/quant.c``), bit-identical to
 :mod:`lightning_acgc.kernels.quant.reference` for the same seed.
 
 One pass over each group (``acgc_quant_encode``: its values read once from memory, then

@@ -163,7 +163,7 @@ def group_meta(
 ) -> GroupMeta:
     """Per-group parameters from the groups' min, max and smallest positive value (finite
     float32). The specification of the metadata formats: the compiled CPU path repeats
-    this arithmetic in C (``group_param`` in ``common/fastcpu.c``), held bit-identical
+    this arithmetic in C (``group_param`` in ``common/csrc/fastcpu.h``), held bit-identical
     to it by ``tests/test_kernels_cpu.py``.
 
     Example:
