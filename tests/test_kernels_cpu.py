@@ -111,6 +111,22 @@ def test_build_into_fresh_cache(monkeypatch, tmp_path, capsys) -> None:
     assert len(list(tmp_path.glob("fastcpu-*.so"))) == 1
 
 
+def test_library_key_covers_every_source_and_the_header(monkeypatch, tmp_path) -> None:
+    """Every C file of csrc/ is built, and an edit of the shared header alone builds a
+    new library (a stale one would keep the old helpers)."""
+    assert {p.name for p in cpu_lib._SOURCES} == {p.name for p in cpu_lib._CSRC.glob("*.c")}
+    assert len(cpu_lib._SOURCES) >= 6
+    csrc = tmp_path / "csrc"
+    csrc.mkdir()
+    for p in cpu_lib._CSRC.iterdir():
+        (csrc / p.name).write_bytes(p.read_bytes())
+    monkeypatch.setattr(cpu_lib, "_CSRC", csrc)
+    before = cpu_lib._source_bytes()
+    header = csrc / "fastcpu.h"
+    header.write_text(header.read_text() + "\n/* edited */\n")
+    assert cpu_lib._source_bytes() != before
+
+
 def test_route_uses_reference_without_library(monkeypatch) -> None:
     x = torch.ones(3)
     ref, fast = (lambda: "ref"), (lambda: "cpu")
