@@ -9,8 +9,9 @@ same way (goal: within the error, at >= 95% of the fixed setting's ratio). The f
 settings promise only the global error; acgc also holds every layer's own gradient to e.
 So acgc is measured a second time at each setting's error with the global promise alone
 (``layer_floor=1``: no module held per layer), which shows what the per-layer promise
-costs. acgc at its default is measured twice: as it is, and with its probes on
-(``probes=8``: the effect of the tensors its model guesses measured, one pass per class).
+costs. acgc at its default is measured twice: as it is (its probes measure the effect of
+the tensors of modules that save a saturating output, one pass per class), and with its
+probes off (``probes=0``: every such effect guessed by its model, as before ec448c6).
 Also logged: acgc's calibration-step errors (its promise), its worst layer, κ, and the
 calibration's cost.
 
@@ -55,7 +56,7 @@ from lightning_acgc.engine.cycle import exact_gradients
 
 # acgc's layer_floor that holds no module to e on its own: the global promise alone
 GLOBAL_ONLY = 1.0
-PROBES = 8  # acgc's default measured a second time with its probes on (off by default)
+NO_PROBES = 0  # acgc's default measured a second time with its probes off
 
 BASELINES = {
     "quant2": ("fixed", {"codec": "quant", "bits": 2}),
@@ -138,12 +139,12 @@ def compare_model(name: str, args: argparse.Namespace, case: bool = False) -> di
         glob["within"] = glob["grad_error"] <= e
         glob["ratio_share"] = round(glob["ratio"] / base["ratio"], 3)
         rows[config] = {"baseline": base, "acgc_at_its_error": acgc, "acgc_global_only": glob}
-    # acgc at its default, and with its probes on (quant only): each within its own
+    # acgc at its default, and with its probes off (quant only): each within its own
     # promise, the error target of its last calibration (a noise-relative budget sets
     # one per layer too: layer_budget_use <= 1)
     defaults = {"acgc_default": {}}
     if args.acgc_options.get("codec", "quant") == "quant":
-        defaults["acgc_default_probes"] = {"probes": PROBES}
+        defaults["acgc_default_no_probes"] = {"probes": NO_PROBES}
     for key, extra in defaults.items():
         row = measure(recipe, "acgc", plain, {**args.acgc_options, **extra})
         row["within"] = row["grad_error"] <= row.get("error_target", 0.05)
@@ -170,8 +171,8 @@ def plot(result: dict[str, Any], path: str) -> None:
                 [rows[c]["acgc_at_its_error"] for c in BASELINES] + [rows["acgc_default"]],
                 key=lambda r: r["grad_error"],
             ),
-            "acgc default, probes=8": [rows["acgc_default_probes"]]
-            if "acgc_default_probes" in rows
+            "acgc default, probes=0": [rows["acgc_default_no_probes"]]
+            if "acgc_default_no_probes" in rows
             else [],
             "acgc, global promise only": sorted(
                 [rows[c]["acgc_global_only"] for c in BASELINES if "acgc_global_only" in rows[c]],

@@ -68,6 +68,7 @@ class ACGCCompressionSchema(CompressionSchema):
     noise_ratio: float | None = MISSING
     noise_floor: float | None = MISSING
     probes: int | None = MISSING
+    probe_scope: str | None = MISSING
     verify: bool = MISSING
 
 

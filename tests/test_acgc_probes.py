@@ -20,21 +20,44 @@ from lightning_acgc.policies.bit_allocation import LADDER
 from tests._lightning_models import fit
 
 
-def test_probes_are_off_by_default() -> None:
-    """No probe runs unless ``probes`` is set (README's sweep table: on three of the five
-    recipes' paired-seed fits they cost ratio, 5-33%, and no fit's loss gained)."""
+def test_probes_default_to_the_saturating_modules_and_probes_0_turns_them_off() -> None:
+    """By default up to 8 classes a calibration, of the modules that saved a saturating
+    activation's output (README's sweep table); ``probes=0`` runs none."""
     policy = _two_blocks()
     policy._calibrating, policy._exact = True, {}
-    assert policy.max_probes == 0 and policy.probe_classes(1) == []
+    assert (policy.max_probes, policy.probe_scope) == (8, "saturating")
+    assert policy.probe_classes(1) == ["enc.*.attn:0"]
+    off = _two_blocks(probes=0)
+    off._calibrating, off._exact = True, {}
+    assert off.probe_classes(1) == []
+
+
+def test_probe_scope_saturating_keeps_the_modules_that_saved_a_saturating_output() -> None:
+    """A guessed tensor of a module with no softmax, tanh or sigmoid output (a LayerNorm's
+    input here) is probed with ``probe_scope="all"`` only."""
+    for scope, expected in (
+        ("saturating", ["enc.*.attn:0"]),
+        ("all", ["enc.*.attn:0", "enc.*.ln:0"]),
+    ):
+        policy = _two_blocks(probe_scope=scope)
+        for block in (0, 1):
+            policy._sens[f"enc.{block}.ln:0"] = deque([(500, {}, 5.0)])
+            policy._variances[f"enc.{block}.ln:0"] = _table(1.0)
+        policy._calibrating, policy._exact = True, {}
+        assert policy.probe_classes(1) == expected, scope
 
 
 def test_probes_option_sets_the_classes_per_calibration_and_rejects_bad_values() -> None:
     assert build_policy("acgc", probes=3).max_probes == 3
-    assert build_policy("acgc").max_probes == 0
-    assert ACGCPolicy.max_probes == 0  # the option sets the instance's, not the class's
+    assert build_policy("acgc").max_probes == 8
+    assert ACGCPolicy.max_probes == 8  # the option sets the instance's, not the class's
+    assert build_policy("acgc", probes=0).max_probes == 0 and ACGCPolicy.max_probes == 8
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match=f"probes={bad!r} must be an int >= 0"):
             ACGCPolicy(probes=bad)
+    assert build_policy("acgc", probe_scope="all").probe_scope == "all"
+    with pytest.raises(ValueError, match="probe_scope='attention' is not allowed"):
+        ACGCPolicy(probe_scope="attention")
 
 
 def test_probes_option_from_the_hydra_config() -> None:
@@ -42,21 +65,24 @@ def test_probes_option_from_the_hydra_config() -> None:
 
     from recipes.config_schema import compose_config
 
-    callback = instantiate(compose_config(["compression=acgc", "compression.probes=4"]).compression)
-    assert callback.policy.max_probes == 4
+    overrides = ["compression=acgc", "compression.probes=4", "compression.probe_scope=all"]
+    callback = instantiate(compose_config(overrides).compression)
+    assert (callback.policy.max_probes, callback.policy.probe_scope) == (4, "all")
 
 
 def _table(scale: float) -> list[float]:
     return [scale / (2**b - 1) ** 2 for b in LADDER]
 
 
-def _two_blocks() -> ACGCPolicy:
-    """Tensor ``attn:0`` of blocks 0 and 1 (one class), modelled by the heuristic alone."""
-    policy = ACGCPolicy(gradient_error=0.1)
+def _two_blocks(**options) -> ACGCPolicy:
+    """Tensor ``attn:0`` of blocks 0 and 1 (one class), modelled by the heuristic alone;
+    each block's attention also saved a softmax output (``attn:1``)."""
+    policy = ACGCPolicy(gradient_error=0.1, **options)
     for block in (0, 1):
         key = f"enc.{block}.attn:0"
         policy._sens[key] = deque([(1000, {}, 5.0)])
         policy._variances[key] = _table(1.0)
+        policy._saturating.add(f"enc.{block}.attn:1")
     return policy
 
 
@@ -148,7 +174,6 @@ def test_probes_run_on_calibration_steps_and_leave_no_trace() -> None:
     site records are the compressed pass's alone, and the promise holds."""
     model = _model()
     policy = build_policy("acgc", gradient_error=0.1, calibrate_every=2)
-    policy.max_probes = 8  # off by default (README)
     engine = ActivationCompressor(policy, model=model, settings=EngineSettings(min_numel=64))
     engine.install()
     policy.setup(model)
@@ -206,7 +231,6 @@ def test_lightning_runs_the_probes_as_calibration_calls() -> None:
     more flagged call."""
     model = _AttentionModule()
     cb = ActivationCompression("acgc", calibrate_every=100, min_numel=64, print_table=False)
-    cb.policy.max_probes = 8  # off by default (README)
     fit(model, [cb], max_steps=4, max_epochs=-1)
     classes = len(cb.policy._probed_at)
     assert 0 < classes <= cb.policy.max_probes  # all probed at step 1
@@ -259,13 +283,15 @@ def test_layers_give_their_measured_tensors_more_of_their_budget_once_all_are_pr
     """Until every class the model guesses has a probe reading, half of each layer's
     budget stays for errors reaching it through δ; once all have one, those errors are
     measured and in the layer's own budget: it may fill ``PROBED_SHARE`` of it."""
-    policy = _two_blocks()
+    policy = _two_blocks(probes=0)
+    policy._probe_readings["enc.0.attn:0"] = deque([{"enc.0.q": 1.0}])
     assert policy.own_share() == policy.layer_share == 0.5  # probes off
-    policy.max_probes = 8
+    policy = _two_blocks()
     assert policy.own_share() == 0.5  # none probed yet
     policy._probe_readings["enc.0.attn:0"] = deque([{"enc.0.q": 1.0}])
     policy._probed_at["enc.*.attn:0"] = 1
     assert policy.own_share() == PROBED_SHARE > policy.layer_share
     policy._sens["dec.0.attn:0"] = deque([(1000, {}, 5.0)])  # a class not probed yet
     policy._variances["dec.0.attn:0"] = _table(1.0)
+    policy._saturating.add("dec.0.attn:1")
     assert policy.own_share() == 0.5

@@ -25,7 +25,7 @@ error stays within E = target · e² · ‖g‖² / κ:
 
 The error is held per layer too, κ < 1 not loosening those budgets (:mod:`~.acgc_corrections`;
 ``quant``: floors on the tensors around a layer over budget, :mod:`~.acgc_floors`, and
-factors the model guesses measured by probes, off by default, :mod:`~.acgc_probes`).
+factors the model guesses measured by probes, :mod:`~.acgc_probes`).
 
 Verify, don't trust: with ``verify=True`` the exact gradient is computed on calibration
 steps; its statistics set the settings of the same step's compressed pass, so the logged
@@ -114,7 +114,9 @@ class ACGCPolicy(
         noise_floor: ρ₀ > 0: with ``gradient_error``, also allow any error within ρ₀² of the
             sampling variance (:mod:`~lightning_acgc.policies.acgc_noise`).
         probes: ``quant``: tensor classes first probed per calibration (0: off; default
-            ``max_probes``; :mod:`~lightning_acgc.policies.acgc_probes`).
+            ``max_probes``, 8; :mod:`~lightning_acgc.policies.acgc_probes`).
+        probe_scope: which classes: ``"saturating"`` (default: the modules saving a
+            softmax, tanh or sigmoid output, e.g. attention) or ``"all"``.
         config: the codec and its backend: ``quant`` (default; per-tensor bit widths,
             stochastic rounding) or ``bounded`` (error bounds), given as ``codec=`` when
             built by name (``build_policy("acgc", codec="bounded")``).
@@ -132,7 +134,7 @@ class ACGCPolicy(
     options = (
         "gradient_error", "calibrate_every", "verify", "warmup_steps", "history",
         "initial_relative_bound", "group_size", "target", "noise_ratio", "layer_floor",
-        "noise_floor", "probes",
+        "noise_floor", "probes", "probe_scope",
     )  # fmt: skip
     initial_width = 8  # quant: width before the first calibration and for unseen sites
     # quant: the first allocation aims at this share of the budget (κ unmeasured: on
@@ -154,6 +156,7 @@ class ACGCPolicy(
         layer_floor: float | None = None,
         noise_floor: float | None = None,
         probes: int | None = None,
+        probe_scope: str | None = None,
         config: CodecSpec | None = None,
     ) -> None:
         self._arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
@@ -166,9 +169,7 @@ class ACGCPolicy(
         check_int("calibrate_every", calibrate_every, 1)
         check_int("warmup_steps", warmup_steps, 1)
         check_int("history", history, 1)
-        if probes is not None:
-            check_int("probes", probes, 0)
-            self.max_probes = probes
+        self.set_probes(probes, probe_scope)
         if not 0 < initial_relative_bound < 1:
             raise ValueError(f"initial_relative_bound={initial_relative_bound!r} must be in (0, 1)")
         target = target if target is not None else 0.35

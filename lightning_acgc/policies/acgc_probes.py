@@ -11,17 +11,22 @@ products and 25x too low for its dropped-out probabilities; on the quick ResNet 
 bits where they buy nothing: BERT-base at e = 0.05 kept q, k and v at 32 bits, 44% of
 the bytes it kept.
 
-Off by default (``probes=0``; ``ACGCPolicy(probes=8)`` or ``compression.probes=8``
-turns them on). Each tensor they found reaching a layer held alone to that layer's whole
-budget, BERT-base at e = 0.05 kept 6.1x but the quick transformer's attention went 3x over
-it; with each budget split among its tensors beforehand, 3.2x against 4.1x without
-probes. Met jointly (:mod:`~lightning_acgc.policies.acgc_joint`), and once every class
-has a reading with 0.8 of each layer's budget for its measured tensors
-(:meth:`~SensitivityProbes.own_share`), BERT-base (batch 4, sequence 128) keeps 5.23x
-with them, every layer within e on the measured step (without them: 4.34x, its worst
-layer at 0.055). ResNet-50 keeps 4.56x instead of 4.66x, the 3-layer GCN 11.5x instead
-of 11.4x. On the quick recipes' paired-seed fits they lower the ratio of three of five
-and gain no loss (README's sweep table), hence off by default.
+On by default for the modules that save a saturating activation's output
+(``probe_scope="saturating"``: an attention's softmax, with its query, key, value and
+dropped probabilities, where the factor is furthest off); ``probe_scope="all"`` probes
+every guessed class, ``probes=0`` none. Each tensor they found reaching a layer held
+alone to that layer's whole budget, BERT-base at e = 0.05 kept 6.1x but the quick
+transformer's attention went 3x over it; with each budget split among its tensors
+beforehand, 3.2x against 4.1x without probes. Met jointly
+(:mod:`~lightning_acgc.policies.acgc_joint`), and once every class in scope has a reading
+with 0.8 of each layer's budget for its measured tensors
+(:meth:`~SensitivityProbes.own_share`), BERT-base (batch 4, sequence 128) keeps 5.19x
+with the default scope, every layer within e on the measured step (worst 0.036; without
+probes 4.34x, its worst layer at 0.055; every class probed, 5.23x). Probing every class
+cost the ResNets and the GCN ratio (BatchNorm inputs and ReLU outputs held at
+``PROBE_WIDTH`` or more) and the quick recipes' paired-seed fits gained no loss; probing
+the saturating modules' classes alone leaves those models as they were (they save no
+saturating output) and raised the quick transformers' ratios (README's sweep table).
 
 A probe measures instead. On a verified calibration, after the exact gradient: one more
 forward and backward of the same batch (random state restored) with only one *class* of
@@ -50,16 +55,19 @@ from collections import deque
 
 import torch
 
+from lightning_acgc.codecs._checks import check_choice
 from lightning_acgc.codecs.base import Codec
 from lightning_acgc.codecs.quant import QuantWidthConfig
 from lightning_acgc.engine.sites import SiteInfo
 from lightning_acgc.policies._acgc_stats import per_module_sq
+from lightning_acgc.policies._schedule import check_int
 from lightning_acgc.policies.acgc_allocation import Sensitivity, average
 from lightning_acgc.policies.bit_allocation import LADDER
 
-__all__ = ["PROBE_WIDTH", "SensitivityProbes", "tensor_class"]
+__all__ = ["PROBE_SCOPES", "PROBE_WIDTH", "SensitivityProbes", "tensor_class"]
 
 PROBE_WIDTH = 2
+PROBE_SCOPES = ("saturating", "all")
 PROBED_SHARE = 0.8  # own_share once every class is probed (0.5: layer_share, unprobed)
 _INDEX = re.compile(r"\.\d+(?=[.:])")
 
@@ -80,13 +88,13 @@ class SensitivityProbes:
     """Mixin of :class:`~lightning_acgc.policies.acgc.ACGCPolicy` (``quant`` codec):
     probes per tensor class and the per-module factors they measure (module docstring).
     Uses the policy's ``codec``, ``verify``, ``history``, ``group_size``, ``_meta``,
-    ``_calibrating``, ``_exact``, ``_sens``, ``_variances``, ``_metrics``, ``_calib_s``,
-    ``_lap`` and ``settle``."""
+    ``_saturating``, ``_calibrating``, ``_exact``, ``_sens``, ``_variances``,
+    ``_metrics``, ``_calib_s``, ``_lap`` and ``settle``."""
 
     probe_refresh = 1  # classes re-probed per calibration once all have a reading
-    # classes first probed per calibration (the largest first); 0, the default, turns the
-    # probes off (the quick recipes' fits lose ratio with them: see above); ``probes=``
-    max_probes = 0
+    # classes first probed per calibration (the largest first; ``probes=``, 0: off)
+    max_probes = 8
+    probe_scope = "saturating"  # which classes (``probe_scope=``): see PROBE_SCOPES
 
     def __init__(self) -> None:
         super().__init__()
@@ -97,12 +105,30 @@ class SensitivityProbes:
         self._probed_at: dict[str, int] = {}  # class -> calibration count of its last probe
         self._probe_count = 0  # calibrations that probed
 
+    def set_probes(self, probes: int | None, scope: str | None) -> None:
+        """The ``probes`` and ``probe_scope`` options (None: the class's defaults).
+
+        Raises:
+            ValueError: ``probes`` not an integer >= 0, or ``scope`` not in PROBE_SCOPES.
+        """
+        if probes is not None:
+            check_int("probes", probes, 0)
+            self.max_probes = probes
+        if scope is not None:
+            check_choice("probe_scope", scope, PROBE_SCOPES)
+            self.probe_scope = scope
+
     # -- which classes ------------------------------------------------------------
     def _probe_candidates(self) -> dict[str, int]:
         """Bytes per class of the tensors whose modelled error is mostly the heuristic
-        other-op part (the weight-op part is exact in expectation: nothing to learn)."""
+        other-op part (the weight-op part is exact in expectation: nothing to learn), in
+        scope: with ``"saturating"``, those of the modules that saved a saturating
+        activation's output (:meth:`note_tensor`: an attention's softmax, a gate)."""
         out: dict[str, int] = {}
+        modules = {k.rpartition(":")[0] for k in self._saturating}
         for key, (numel, weights, other) in average(self._sens).items():
+            if self.probe_scope == "saturating" and key.rpartition(":")[0] not in modules:
+                continue
             if key in self._variances and other > sum(weights.values()):
                 cls = tensor_class(key)
                 out[cls] = out.get(cls, 0) + numel
