@@ -10,12 +10,7 @@ __all__ = ["RATIO_SHARE_BAR", "acgc_vs_fixed_bars", "acgc_vs_fixed_table"]
 
 RATIO_SHARE_BAR = 0.95  # acgc at a fixed setting's error keeps this share of its ratio
 SETTINGS = {"quant2": "fixed quant 2-bit", "quant4": "fixed quant 4-bit", "gact": "gact"}
-# rows: label suffix (probes=8 rows come from runs made while probes were off by default)
-DEFAULTS = {
-    "acgc_default": "",
-    "acgc_default_no_probes": ", probes=0 (off)",
-    "acgc_default_probes": ", probes=8",
-}
+DEFAULTS = {"acgc_default": "", "acgc_default_no_probes": ", probes=0 (off)"}  # label suffix
 
 
 def _rows(result: dict[str, Any]) -> list[tuple[str, str, dict[str, Any], dict[str, Any]]]:
