@@ -42,24 +42,20 @@ enum { STAT_MIN = 1, STAT_MAX = 2, STAT_POS = 4, STAT_FINITE = 8, STAT_ALL = 15 
 
 #if defined(__AVX512F__)
 /* 16 lanes folded in halves as lane_stats' portable code folds them: lane k takes
- * lane k + half where that one is smaller (larger), half = 8, 4, 2, 1. */
-static inline float fold_min(__m512 v) {
-    __m256 a = _mm512_castps512_ps256(v);
-    __m256 b = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-    a = _mm256_min_ps(b, a);
-    __m128 c = _mm_min_ps(_mm256_extractf128_ps(a, 1), _mm256_castps256_ps128(a));
-    c = _mm_min_ps(_mm_movehl_ps(c, c), c);
-    return _mm_cvtss_f32(_mm_min_ss(_mm_movehdup_ps(c), c));
-}
-
-static inline float fold_max(__m512 v) {
-    __m256 a = _mm512_castps512_ps256(v);
-    __m256 b = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-    a = _mm256_max_ps(b, a);
-    __m128 c = _mm_max_ps(_mm256_extractf128_ps(a, 1), _mm256_castps256_ps128(a));
-    c = _mm_max_ps(_mm_movehl_ps(c, c), c);
-    return _mm_cvtss_f32(_mm_max_ss(_mm_movehdup_ps(c), c));
-}
+ * lane k + half where that one is smaller (fold_min) or larger (fold_max), half = 8, 4,
+ * 2, 1; OP names the min or max intrinsics. */
+#define FOLD(NAME, OP)                                                                    \
+    static inline float NAME(__m512 v) {                                                  \
+        __m256 a = _mm512_castps512_ps256(v);                                             \
+        __m256 b = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));      \
+        a = _mm256_##OP##_ps(b, a);                                                       \
+        __m128 c = _mm_##OP##_ps(_mm256_extractf128_ps(a, 1), _mm256_castps256_ps128(a)); \
+        c = _mm_##OP##_ps(_mm_movehl_ps(c, c), c);                                        \
+        return _mm_cvtss_f32(_mm_##OP##_ss(_mm_movehdup_ps(c), c));                       \
+    }
+FOLD(fold_min, min)
+FOLD(fold_max, max)
+#undef FOLD
 #endif
 
 /* Of p[0..len), as `want` asks: the min (*lo), max (*hi) and smallest positive value
