@@ -29,11 +29,10 @@ void acgc_pool_last(const float *x, int64_t rows, int64_t w, int64_t blk, float 
 static inline void zero_bits(const float *p, int64_t len, uint8_t *out) {
 #if defined(__AVX512F__)
     for (int64_t i = 0; i < len; i += 16) { /* a compare's 16-bit mask is two such bytes */
-        __mmask16 m = len - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - i)) - 1);
+        __mmask16 m = lanes16(len - i);
         uint16_t z = m & _mm512_cmp_ps_mask(_mm512_maskz_loadu_ps(m, p + i),
                                             _mm512_setzero_ps(), _CMP_EQ_OQ);
-        out[i / 8] = (uint8_t)z;
-        if (len - i > 8) out[i / 8 + 1] = (uint8_t)(z >> 8);
+        put_bits16(out + i / 8, z, len - i);
     }
 #else
     uint8_t z[CHUNK + 8];
@@ -74,15 +73,13 @@ static inline void finish_chunk(float *o, int64_t len, float fmax, const uint8_t
      * clamp, replaced by min_pos), and the mask's bits as a write mask (+0.0 where set) */
     __m512 lo = _mm512_set1_ps(-fmax), hi = _mm512_set1_ps(fmax), mp = _mm512_set1_ps(min_pos);
     for (int64_t i = 0; i < len; i += 16) {
-        __mmask16 m = len - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - i)) - 1);
+        __mmask16 m = lanes16(len - i);
         __m512 v = _mm512_maskz_loadu_ps(m, o + i);
         v = _mm512_max_ps(lo, v);
         v = _mm512_min_ps(hi, v);
         v = _mm512_max_ps(v, mp);
         if (zm) {
-            uint16_t z = zm[i / 8];
-            if (len - i > 8) z |= (uint16_t)(zm[i / 8 + 1] << 8);
-            v = _mm512_maskz_mov_ps((__mmask16)~z, v);
+            v = _mm512_maskz_mov_ps((__mmask16)~get_bits16(zm + i / 8, len - i), v);
         }
         _mm512_mask_storeu_ps(o + i, m, v);
     }
@@ -320,13 +317,13 @@ static inline void subtract_scan(const float *p, float *r, int64_t len, uint8_t 
 #if defined(__AVX512F__)
     __m512 mn = _mm512_set1_ps(INFINITY), mp = mn, zero = _mm512_setzero_ps();
     for (int64_t i = 0; i < len; i += 16) {
-        __mmask16 m = len - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - i)) - 1);
+        __mmask16 m = lanes16(len - i);
         __m512 v = _mm512_maskz_loadu_ps(m, p + i);
         _mm512_mask_storeu_ps(r + i, m, _mm512_sub_ps(v, _mm512_maskz_loadu_ps(m, r + i)));
         mn = _mm512_mask_min_ps(mn, m, v, mn);
         mp = _mm512_mask_min_ps(mp, m & _mm512_cmp_ps_mask(v, zero, _CMP_GT_OQ), v, mp);
         uint16_t z = m & _mm512_cmp_ps_mask(v, zero, _CMP_EQ_OQ);
-        memcpy(out + i / 8, &z, len - i > 8 ? 2 : 1);
+        put_bits16(out + i / 8, z, len - i);
     }
     *lo = fold_min(mn);
     *min_pos = fold_min(mp);

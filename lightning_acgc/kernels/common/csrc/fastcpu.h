@@ -56,6 +56,23 @@ enum { STAT_MIN = 1, STAT_MAX = 2, STAT_POS = 4, STAT_FINITE = 8, STAT_ALL = 15 
 FOLD(fold_min, min)
 FOLD(fold_max, max)
 #undef FOLD
+
+/* The lanes of a row of 16 values with `left` of them left (all 16 from 16 on): the
+ * masked loads and stores of a tail. */
+static inline __mmask16 lanes16(int64_t left) {
+    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+}
+
+/* A 16-value row's mask as bytes of a bit pattern (bit k of byte b: value 8b + k), the
+ * bytes `left` values cover (1 or 2), and back. */
+static inline void put_bits16(uint8_t *out, uint16_t z, int64_t left) {
+    out[0] = (uint8_t)z;
+    if (left > 8) out[1] = (uint8_t)(z >> 8);
+}
+
+static inline uint16_t get_bits16(const uint8_t *in, int64_t left) {
+    return (uint16_t)(in[0] | (left > 8 ? in[1] << 8 : 0));
+}
 #endif
 
 /* Of p[0..len), as `want` asks: the min (*lo), max (*hi) and smallest positive value
@@ -71,7 +88,7 @@ static inline int lane_stats(const float *p, int64_t len, int want, float *lo, f
     __m512 top = _mm512_set1_ps(3.4028234663852886e38f), zero = _mm512_setzero_ps();
     __mmask16 nf = 0;
     for (int64_t i = 0; i < len; i += 16) {
-        __mmask16 m = len - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - i)) - 1);
+        __mmask16 m = lanes16(len - i);
         __m512 v = _mm512_maskz_loadu_ps(m, p + i);
         if (want & STAT_FINITE)
             nf |= m & ~_mm512_cmp_ps_mask(_mm512_abs_ps(v), top, _CMP_LE_OQ);
