@@ -94,3 +94,30 @@ def test_portable_division_matches_reference(portable_library, shape) -> None:
         out = _decode_fused(ref, x.shape, torch.float32, 8, 2, 256)
         assert out is not None
         assert torch.equal(out, division_decode_ref(ref, x.shape, torch.float32, 8, 2, 256))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_portable_nonzero_matches_reference(portable_library, monkeypatch, dtype) -> None:
+    import lightning_acgc.kernels.nonzero.cpu as nonzero_cpu
+    from lightning_acgc.kernels.nonzero.reference import nonzero_merge_ref, nonzero_split_ref
+
+    monkeypatch.setattr(nonzero_cpu, "cpu_library", lambda: portable_library)
+    ints = torch.int32 if dtype == torch.float32 else torch.int16
+    x = _relu_tensor().to(dtype)
+    x[::97] = -0.0
+    x[5::101] = float("nan")
+    x[7::103] = float("-inf")
+    x[9::107] = torch.finfo(dtype).tiny / 4  # denormals
+    x[40000:40100] = 0.0  # an all-zero stretch, then a dense one
+    x[40100:40300] = 1.5
+    for threads in (1, 3):
+        monkeypatch.setattr(nonzero_cpu, "cpu_threads", lambda threads=threads: threads)
+        for v in (x, x[:1], x[:9], x[:1003], x[3:].reshape(-1, 2).t()):
+            bits, values = nonzero_cpu.nonzero_split_cpu(v)
+            ref_bits, ref_values = nonzero_split_ref(v)
+            assert torch.equal(bits, ref_bits)
+            assert torch.equal(values.view(ints), ref_values.view(ints))
+            n = v.numel()
+            out = nonzero_cpu.nonzero_merge_cpu(bits, values, n)
+            assert torch.equal(out.view(ints), v.reshape(-1).view(ints))
+            assert torch.equal(out.view(ints), nonzero_merge_ref(bits, values, n).view(ints))
