@@ -45,6 +45,8 @@ SETTINGS: dict[str, tuple[str, Any]] = {  # codec, its options (or config)
     "quant3": ("quant", QuantWidthConfig(bits=3)),
     "quant6": ("quant", QuantWidthConfig(bits=6)),
     "split2.5": ("split", SplitConfig(bits=3, low_share=0.5)),  # acgc's fractional widths
+    # acgc's layout of a ReLU output: a mask bit a value, the non-zeros at 6 bits
+    "nonzero6": ("nonzero", {"bits": 6, "meta": "bf16"}),
     "half": ("half", {}),  # float16: what acgc gives a tensor 8 bits cannot serve
     "bounded_rel1e-2": ("bounded", {"error_bound": 1e-2, "relative": True}),
     "division": ("division", {}),

@@ -7,6 +7,7 @@ from lightning_acgc.codecs import (  # noqa: F401  (registration)
     identity,
     intpack,
     mask,
+    nonzero,
     quant,
     split,
 )
