@@ -90,4 +90,6 @@ def test_split_settings_reach_the_engine_and_their_error_is_modelled() -> None:
     i = LADDER.index(bits)
     assert math.isclose(policy._variance(key), (1 - share) * table[i] + share * table[i - 1])
     codecs = {r.codec for r in engine.stats.sites.values()}
-    assert "split" in codecs, codecs
+    codec = policy.quant_codec(key, bits, share)  # split, or nonzero for a ReLU output
+    assert codec.name in ("split", "nonzero") and codec.config.low_share == share
+    assert codec.name in codecs, codecs

@@ -243,7 +243,9 @@ def test_calibration_keeps_the_promise() -> None:
         kappas = [h["kappa"] for h in history[4:]]
         assert max(kappas) / min(kappas) < 2.0, kappas  # settled
         ratios[e] = history[-1]["ratio"]
-    assert ratios[0.3] > 1.5 * ratios[0.05], ratios
+    # (1.56x with every tensor dense; the nonzero layout of the ReLU outputs saves more
+    # at the wide codes of a tight e: 5.0x -> 5.9x at 0.05, 7.8x -> 8.8x at 0.3)
+    assert ratios[0.3] > 1.4 * ratios[0.05], ratios
 
 
 @pytest.mark.slow

@@ -17,9 +17,9 @@ error stays within E = target · e² · ‖g‖² / κ:
   reduction per added bit) bring Σ c_t·v_t(b_t) within E; the budget whole widths leave
   (a bit is ~4x the variance) lowers a share of a tensor's values by one bit (``split``
   codec, filling at most 0.7 of an own budget: quick ResNet at quant2's error, 9.2x ->
-  9.6x). Unbiased errors average out over a weight op's fan-in; that is why this beats
-  error-bounded rounding at equal gradient error (issue 13: 2-bit quant at 14x has the
-  error `bounded` reaches at 7x).
+  9.6x); a tensor at most 2/3 non-zero (a ReLU output) takes its width on its non-zeros
+  only (``nonzero`` codec, :mod:`~.acgc_nonzero`). Unbiased errors average out over a
+  weight op's fan-in: 2-bit quant at 14x has the error ``bounded`` reaches at 7x.
 * ``codec="bounded"``: COMET-style |x − x̂| ≤ eb (variance ≤ eb²/3), each tensor's share
   of E in proportion to its size (the previous default; its calibration is unchanged).
 
@@ -61,7 +61,6 @@ import torch
 from torch import nn
 
 from lightning_acgc.codecs.base import Codec
-from lightning_acgc.codecs.quant import QuantWidthConfig
 from lightning_acgc.codecs.spec import CodecSpec
 from lightning_acgc.engine.meter import SiteRecord
 from lightning_acgc.engine.sites import SiteInfo
@@ -78,12 +77,12 @@ from lightning_acgc.policies.acgc_allocation import (
 from lightning_acgc.policies.acgc_corrections import ModelCorrections
 from lightning_acgc.policies.acgc_floors import ScopeFloors
 from lightning_acgc.policies.acgc_noise import NoiseBudget, check_budget_options
+from lightning_acgc.policies.acgc_nonzero import NonzeroLayout, rounding_table
 from lightning_acgc.policies.acgc_probes import SensitivityProbes
 from lightning_acgc.policies.acgc_state import ACGCState
 from lightning_acgc.policies.base import Reduce
 from lightning_acgc.policies.bit_allocation import HALF, KEEP, LADDER
 from lightning_acgc.policies.calibrating import CalibratingPolicy
-from lightning_acgc.policies.quant_error import sr_variance
 
 __all__ = ["ACGCPolicy"]
 
@@ -91,7 +90,13 @@ CODECS = ("quant", "bounded")
 
 
 class ACGCPolicy(
-    ACGCState, NoiseBudget, ScopeFloors, ModelCorrections, SensitivityProbes, CalibratingPolicy
+    ACGCState,
+    NoiseBudget,
+    ScopeFloors,
+    ModelCorrections,
+    SensitivityProbes,
+    NonzeroLayout,
+    CalibratingPolicy,
 ):
     """Compression settings per saved tensor derived from an allowed gradient error.
 
@@ -215,6 +220,7 @@ class ACGCPolicy(
         self._inv_var: dict[str, float] = {}
         self._saturating: set[str] = set()  # sites saving a saturating activation's output
         self._variances: dict[str, list[float]] = {}  # quant: v_t(b) per width of LADDER
+        self._nonzero: dict[str, float] = {}  # quant: share of non-zero values (acgc_nonzero)
         self._pending_var: dict[str, torch.Tensor] = {}
         self._raw_bits: dict[str, int] = {}
         self._predicted: float | None = None
@@ -234,7 +240,7 @@ class ACGCPolicy(
             start = time.perf_counter()
             self.note_tensor(site, x)  # a norm input's spread, a saturating output
             if self.codec == "quant":
-                self._pending_var[site.key] = sr_variance(x, self.group_size)
+                self._pending_var[site.key] = rounding_table(x, self.group_size)
                 self._raw_bits[site.key] = 8 * x.element_size()
             self._calib_s += time.perf_counter() - start
         if self.codec == "bounded":
@@ -242,13 +248,7 @@ class ACGCPolicy(
         bits = self.site_bits.get(site.key, self.initial_width)
         if bits in (KEEP, HALF):
             return None if bits == KEEP else self._codec("half")
-        if share := self.site_split.get(site.key):  # a share of the values at bits − 1
-            return self._codec(
-                "split", bits=bits, low_share=share, group_size=self.group_size, **self._meta
-            )
-        return self._codec(
-            "quant", QuantWidthConfig, bits=bits, group_size=self.group_size, **self._meta
-        )
+        return self.quant_codec(site.key, bits, self.site_split.get(site.key, 0.0))
 
     # -- calibration cycle ------------------------------------------------------
     def begin_step(self, step: int) -> None:
@@ -296,8 +296,9 @@ class ACGCPolicy(
         grad_sq, module_g, module_err, flat = reduce_tables(
             reduce, grad_sq, module_g, module_err, flat
         )
-        for k in variances:
+        for k in variances:  # each table, then the share of non-zero values
             self._variances[k] = [flat[f"{k}\0{i}"] for i in range(len(LADDER))]
+            self._nonzero[k] = flat[f"{k}\0{len(LADDER)}"]
         g_sq, err_sq = sum(module_g.values()), sum(module_err.values())
         if self.engine is not None:
             self._structure = {
@@ -392,6 +393,6 @@ class ACGCPolicy(
         args = (layer_sq, g_sq, e_sq, self.tensor_lam, self._own_scale, share)
         meta = self._meta_bits / self.group_size
         widths, self.site_split = quant_allocation(
-            sens, self._variances, *args, self._raw_bits, meta, self.floors()
+            sens, self._variances, *args, self._raw_bits, meta, self.floors(), self.nonzero_shares()
         )
         self.site_bits = {**self.site_bits, **widths}

@@ -195,6 +195,7 @@ def _joint_parts(
     raw_bits: dict[str, int],
     overhead: float,
     floors: dict[str, int] | None,
+    densities: dict[str, float],
 ) -> tuple[dict[str, int], dict[str, dict[str, float]]]:
     """The widths that meet every budget jointly
     (:func:`~lightning_acgc.policies.acgc_joint.joint_min_widths`), and per tensor and
@@ -211,7 +212,8 @@ def _joint_parts(
         mins.append(max(first, (floors or {}).get(key, LADDER[0]), key=ORDER.index))
     sizes = [sens[k][0] for k in keys]
     raws = [raw_bits.get(k, 32) for k in keys]
-    widths = joint_min_widths(sizes, factors, tables, budgets, mins, raws, overhead)
+    nonzero_share = [densities.get(k, 1.0) for k in keys]
+    widths = joint_min_widths(sizes, factors, tables, budgets, mins, raws, overhead, nonzero_share)
     loads = module_loads(factors, tables, widths)
     elements: dict[str, int] = {}
     for n, c_t in zip(sizes, factors, strict=True):
@@ -238,6 +240,7 @@ def quant_allocation(
     raw_bits: dict[str, int],
     overhead: float,
     floors: dict[str, int] | None = None,
+    densities: dict[str, float] | None = None,
 ) -> tuple[dict[str, int], dict[str, float]]:
     """Widths of the ``quant`` codec (``KEEP``: not compressed) for the tensors with a
     measured variance table (``variances[t][i]``: per-element variance at ``LADDER[i]``),
@@ -251,7 +254,9 @@ def quant_allocation(
     was exactly zero) is neither measured by the model nor by the gradient error, so it
     is kept at a safe 8 bits rather than trusted to a model that has no reading for it.
     ``floors``: smallest width per tensor from measured per-layer errors
-    (:mod:`lightning_acgc.policies.acgc_floors`).
+    (:mod:`lightning_acgc.policies.acgc_floors`). ``densities``: per tensor stored by the
+    ``nonzero`` codec, its share of non-zero values (what its widths cost: a mask bit
+    per value, the width for that share).
 
     Widths step coarsely (a bit is about 4x the variance), so the smallest width that
     meets a budget lands anywhere between a quarter of it and all of it; what is left,
@@ -261,7 +266,9 @@ def quant_allocation(
     keys = sorted(k for k in sens if k in variances)
     sizes, errors, mins, raws, owns, floor_list = [], [], [], [], [], []
     budgets = _layer_budgets(layer_sq, e_sq, own_scale, layer_share)
-    joint, parts = _joint_parts(keys, sens, variances, budgets, raw_bits, overhead, floors)
+    densities = densities or {}
+    args = (raw_bits, overhead, floors, densities)
+    joint, parts = _joint_parts(keys, sens, variances, budgets, *args)
     for key in keys:
         n, weights, other = sens[key]
         v = dict(zip(LADDER, variances[key], strict=True))
@@ -275,13 +282,15 @@ def quant_allocation(
         raws.append(raw_bits.get(key, 32))
         owns.append((own, v) if factor > 0 else None)  # SAFE_WIDTH stays whole
         floor_list.append(floor)
-    widths = allocate_to_error(sizes, errors, e_sq * g_sq, mins, raws, overhead)
+    nonzero_share = [densities.get(k, 1.0) for k in keys]
+    widths = allocate_to_error(sizes, errors, e_sq * g_sq, mins, raws, overhead, nonzero_share)
     rooms = [
         _own_room(*o, w) if o is not None and w in QUANT_WIDTHS[1:] else 0.0
         for o, w in zip(owns, widths, strict=True)
     ]
     slack = e_sq * g_sq - sum(e[w] for e, w in zip(errors, widths, strict=True) if w != KEEP)
-    low_shares = _low_shares(widths, errors, rooms, floor_list, sizes, slack)
+    stored = [n * d for n, d in zip(sizes, nonzero_share, strict=True)]  # the values coded
+    low_shares = _low_shares(widths, errors, rooms, floor_list, stored, slack)
     return (
         dict(zip(keys, widths, strict=True)),
         {k: f for k, f in zip(keys, low_shares, strict=True) if f > 0},

@@ -75,7 +75,7 @@ class ScopeFloors:
     per-layer readings, and each tensor's modelled variance under the settings in force.
     Uses ``site_bits``, ``site_split``, ``bounds``, ``codec``, ``_variances``, ``_sens``,
     ``_raw_bits``, ``_inv_var``, ``_saturating``, ``initial_width``, ``other_factor`` and
-    ``probe_floors``."""
+    ``probe_floors``, ``nonzero_shares``."""
 
     def _variance(self, key: str) -> float:
         """Modelled error variance per element of tensor ``key`` under the settings (a
@@ -131,7 +131,9 @@ class ScopeFloors:
             sizes = [self._structure_numel(k) for k in keys]
             raws = [self._raw_bits.get(k, 32) for k in keys]
             budget = now / (MARGIN * scope_over[scope])
-            new = allocate_to_error(sizes, errors, budget, widths, raws)
+            nonzero = self.nonzero_shares()  # type: ignore[attr-defined]
+            shares = [nonzero.get(k, 1.0) for k in keys]
+            new = allocate_to_error(sizes, errors, budget, widths, raws, 0.0, shares)
             for key, width in zip(keys, new, strict=True):
                 if width != LADDER[0] and width != floors.get(key):
                     floors[key] = width

@@ -66,6 +66,7 @@ def joint_min_widths(
     min_widths: Sequence[int],
     raw_bits: Sequence[int],
     overhead: float = 0.0,
+    densities: Sequence[float] | None = None,
 ) -> list[int]:
     """Widths (``LADDER`` or ``KEEP``, at least ``min_widths``) for few bits Σ n_t·cost(b_t)
     such that every module m of ``budgets`` gets Σ_t c_{t,m}·v_t(b_t) ≤ B_m (module
@@ -86,7 +87,7 @@ def joint_min_widths(
         return 0.0 if w == KEEP else variances[i][w]
 
     def cost(i: int, w: int) -> float:
-        return width_cost(w, raw_bits[i], overhead)
+        return width_cost(w, raw_bits[i], overhead, densities[i] if densities else 1.0)
 
     loads = module_loads(factors, variances, widths)
     users: dict[str, list[int]] = {}

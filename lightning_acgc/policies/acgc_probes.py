@@ -57,7 +57,6 @@ import torch
 
 from lightning_acgc.codecs._checks import check_choice
 from lightning_acgc.codecs.base import Codec
-from lightning_acgc.codecs.quant import QuantWidthConfig
 from lightning_acgc.engine.sites import SiteInfo
 from lightning_acgc.policies._acgc_stats import per_module_sq
 from lightning_acgc.policies._schedule import check_int
@@ -89,7 +88,7 @@ class SensitivityProbes:
     probes per tensor class and the per-module factors they measure (module docstring).
     Uses the policy's ``codec``, ``verify``, ``history``, ``group_size``, ``_meta``,
     ``_saturating``, ``_calibrating``, ``_exact``, ``_sens``, ``_variances``,
-    ``_metrics``, ``_calib_s``, ``_lap`` and ``settle``."""
+    ``_metrics``, ``_calib_s``, ``_lap``, ``settle`` and ``quant_codec``."""
 
     probe_refresh = 1  # classes re-probed per calibration once all have a reading
     # classes first probed per calibration (the largest first; ``probes=``, 0: off)
@@ -163,13 +162,7 @@ class SensitivityProbes:
         if table is None or tensor_class(site.key) != self._probe or not x.is_floating_point():
             return None
         self._probe_var[site.key] = table[LADDER.index(PROBE_WIDTH)]
-        return self._codec(
-            "quant",
-            QuantWidthConfig,
-            bits=PROBE_WIDTH,
-            group_size=self.group_size,
-            **self._meta,
-        )
+        return self.quant_codec(site.key, PROBE_WIDTH)
 
     def end_probe(self, cls: str, grads: dict[str, torch.Tensor] | None) -> None:
         """Read the probe pass's gradient ``grads`` against the exact one: per module, its

@@ -43,6 +43,7 @@ class ACGCState:
             "floors": dict(self._floors),
             "variances": {k: list(v) for k, v in self._variances.items()},
             "raw_bits": dict(self._raw_bits),
+            "nonzero": dict(self._nonzero),
             "kappa": self.kappa,
             "error_target": self.error_target,
             "readings": list(self._readings),
@@ -73,6 +74,7 @@ class ACGCState:
             k: list(v) for k, v in state.get("variances", {}).items() if len(v) == len(LADDER)
         }
         self._raw_bits = dict(state.get("raw_bits", {}))
+        self._nonzero = {k: float(v) for k, v in state.get("nonzero", {}).items()}
         self.kappa = float(state["kappa"])
         self.error_target = float(state.get("error_target", self.error_target))
         self._readings = deque(state["readings"], maxlen=self.history)
@@ -120,4 +122,6 @@ class ACGCState:
             return f"bits={codec.config.bits}"
         if codec.name == "split":  # the mean width: a share of the values a bit narrower
             return f"bits={codec.config.mean_bits:g}"
+        if codec.name == "nonzero":  # the mean width of the non-zero values
+            return f"nonzero bits={codec.config.mean_bits:g}"
         return super().describe(codec)  # type: ignore[misc]

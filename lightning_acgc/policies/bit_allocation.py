@@ -75,15 +75,22 @@ def allocate_bits(sizes: Sequence[int], weights: Sequence[float], budget: float)
 KEEP = 0  # a width meaning "not compressed" (the tensor is kept as it is)
 
 
-def width_cost(width: int, raw_bits: int, overhead: float) -> float:
+def width_cost(width: int, raw_bits: int, overhead: float, density: float = 1.0) -> float:
     """Bits per element at ``width``: ``raw_bits`` kept as it is, none of metadata at
-    ``HALF``, ``overhead`` added to a quantized width.
+    ``HALF``, ``overhead`` added to a quantized width. A ``density`` under 1 is a tensor
+    stored by the ``nonzero`` codec: a mask bit per element, and the quantized width and
+    its metadata for that share of its elements only.
 
     Example:
         >>> width_cost(KEEP, 32, 0.125), width_cost(HALF, 32, 0.125), width_cost(2, 32, 0.125)
         (32, 16, 2.125)
+        >>> width_cost(6, 32, 0.125, density=0.4)  # 1 + 0.4 * 6.125
+        3.45
     """
-    return raw_bits if width == KEEP else width if width == HALF else width + overhead
+    if width in (KEEP, HALF):
+        return raw_bits if width == KEEP else width
+    quantized = width + overhead
+    return quantized if density >= 1 else 1 + density * quantized
 
 
 def widths_up(min_width: int) -> tuple[int, ...]:
@@ -99,6 +106,7 @@ def allocate_to_error(
     min_widths: Sequence[int],
     raw_bits: Sequence[int],
     overhead: float = 0.0,
+    densities: Sequence[float] | None = None,
 ) -> list[int]:
     """Widths from ``LADDER`` (1 to 8 bits, ``HALF``) or ``KEEP`` that bring the total error
     Σ errors[t][b_t] within ``budget`` for few bits Σ n_t·b_t: start every tensor at its
@@ -115,6 +123,8 @@ def allocate_to_error(
         raw_bits: bits per element of each tensor kept as it is (32 for float32).
         overhead: bits per element a quantized tensor adds for its metadata (``HALF``
             has none).
+        densities: per tensor, the share of its elements a quantized width stores (1,
+            the default: all; under 1: the ``nonzero`` codec, see :func:`width_cost`).
 
     Example:
         >>> errs = [{b: c / (2**b - 1) ** 2 for b in LADDER} for c in (9.0, 0.9)]
@@ -126,7 +136,7 @@ def allocate_to_error(
         return 0.0 if b == KEEP else errors[i][b]
 
     def cost(i: int, b: int) -> float:
-        return width_cost(b, raw_bits[i], overhead)
+        return width_cost(b, raw_bits[i], overhead, densities[i] if densities else 1.0)
 
     widths = list(min_widths)
     total = sum(err(i, b) for i, b in enumerate(widths))
