@@ -219,3 +219,28 @@ def test_nonzero_split_marks_only_positive_zero() -> None:
     mask, values = nonzero_split(x)
     assert mask.tolist() == [0b10110]
     assert values.numel() == 3
+
+
+def test_the_layout_survives_a_checkpoint(monkeypatch) -> None:
+    """A resumed policy stores the same tensors by their non-zeros before it calibrates."""
+    torch.manual_seed(0)
+    model = _ReluNet()
+    x, y = torch.randn(128, 64), torch.randint(0, 10, (128,))
+    policy = build_policy("acgc", gradient_error=0.1, calibrate_every=100)
+    engine = ActivationCompressor(policy, model=model, settings=EngineSettings(min_numel=0))
+    engine.install()
+    try:
+        for step in range(3):
+            model.zero_grad()
+            loss = lambda: nn.functional.cross_entropy(model(x), y)
+            compressed_step(engine, model, loss, step)
+    finally:
+        engine.remove()
+        policy.teardown()
+    sparse = policy.nonzero_shares()
+    assert sparse and all(0 < s <= layout.NONZERO_MAX_SHARE for s in sparse.values())
+    resumed = build_policy("acgc", gradient_error=0.1)
+    resumed.load_state_dict(policy.state_dict())
+    key = next(iter(sparse))
+    assert resumed.quant_codec(key, 4).name == "nonzero"
+    assert resumed.quant_codec("never seen", 4).name == "quant"
