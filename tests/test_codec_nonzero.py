@@ -20,7 +20,7 @@ from lightning_acgc.kernels.nonzero import nonzero_split
 from lightning_acgc.policies import acgc_nonzero as layout
 from lightning_acgc.policies import build_policy
 from lightning_acgc.policies.bit_allocation import LADDER, allocate_to_error
-from tests.test_codec_quant import _check_special, output_rounding, tensors
+from tests.test_codec_quant import _check_special, checked_round_trip, output_rounding, tensors
 
 
 def _as_ints(t: torch.Tensor) -> torch.Tensor:
@@ -37,12 +37,10 @@ def _steps(packed, group: int) -> torch.Tensor:
 @given(x=tensors(), bits=st.integers(1, 8), group=st.sampled_from([8, 64, 256]))
 def test_within_one_step_zeros_exact_specials_kept(x: torch.Tensor, bits: int, group: int) -> None:
     codec = NonzeroCodec(NonzeroConfig(bits=bits, group_size=group))
-    packed = codec.encode(x, seed=5)
-    y = codec.decode(packed)
-    assert y.shape == x.shape and y.dtype == x.dtype
-    finite = _check_special(x, y)
-    if x.numel() == 0 or packed.codec == "identity":
+    checked = checked_round_trip(codec, x, seed=5)
+    if checked is None:
         return
+    packed, y, finite = checked
     zero = _as_ints(x) == 0  # +0.0 only: its bits all clear
     assert bool((_as_ints(y)[zero] == 0).all())  # decoded as +0.0, bit for bit
     xd, yd = x.reshape(-1).double(), y.reshape(-1).double()
@@ -182,26 +180,33 @@ class _ReluNet(nn.Module):
         return self.layers(x)
 
 
-def _acgc_ratio(monkeypatch, max_share: float) -> tuple[float, float, set[str]]:
-    monkeypatch.setattr(layout, "NONZERO_MAX_SHARE", max_share)
+def _fit(policy, steps: int, batch: int) -> tuple[ActivationCompressor, list[float]]:
+    """``steps`` compressed steps of a ReLU MLP under ``policy``; the engine (removed) and
+    each step's measured gradient error."""
     torch.manual_seed(0)
     model = _ReluNet()
-    x, y = torch.randn(256, 64), torch.randint(0, 10, (256,))
-    policy = build_policy("acgc", gradient_error=0.1, calibrate_every=1)
+    x, y = torch.randn(batch, 64), torch.randint(0, 10, (batch,))
     engine = ActivationCompressor(policy, model=model, settings=EngineSettings(min_numel=0))
     engine.install()
-    loss = lambda: nn.functional.cross_entropy(model(x), y)
     errors = []
     try:
-        for step in range(6):
+        for step in range(steps):
             model.zero_grad()
+            loss = lambda: nn.functional.cross_entropy(model(x), y)
             compressed_step(engine, model, loss, step)
             errors.append(policy.metrics().get("grad_error", 0.0))
-        codecs = {r.codec for r in engine.stats.sites.values()}
-        return engine.stats.ratio, max(errors), codecs
     finally:
         engine.remove()
         policy.teardown()
+    return engine, errors
+
+
+def _acgc_ratio(monkeypatch, max_share: float) -> tuple[float, float, set[str]]:
+    monkeypatch.setattr(layout, "NONZERO_MAX_SHARE", max_share)
+    policy = build_policy("acgc", gradient_error=0.1, calibrate_every=1)
+    engine, errors = _fit(policy, steps=6, batch=256)
+    codecs = {r.codec for r in engine.stats.sites.values()}
+    return engine.stats.ratio, max(errors), codecs
 
 
 def test_acgc_stores_relu_outputs_by_their_non_zeros(monkeypatch) -> None:
@@ -223,20 +228,8 @@ def test_nonzero_split_marks_only_positive_zero() -> None:
 
 def test_the_layout_survives_a_checkpoint(monkeypatch) -> None:
     """A resumed policy stores the same tensors by their non-zeros before it calibrates."""
-    torch.manual_seed(0)
-    model = _ReluNet()
-    x, y = torch.randn(128, 64), torch.randint(0, 10, (128,))
     policy = build_policy("acgc", gradient_error=0.1, calibrate_every=100)
-    engine = ActivationCompressor(policy, model=model, settings=EngineSettings(min_numel=0))
-    engine.install()
-    try:
-        for step in range(3):
-            model.zero_grad()
-            loss = lambda: nn.functional.cross_entropy(model(x), y)
-            compressed_step(engine, model, loss, step)
-    finally:
-        engine.remove()
-        policy.teardown()
+    _fit(policy, steps=3, batch=128)
     sparse = policy.nonzero_shares()
     assert sparse and all(0 < s <= layout.NONZERO_MAX_SHARE for s in sparse.values())
     resumed = build_policy("acgc", gradient_error=0.1)

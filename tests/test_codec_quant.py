@@ -60,6 +60,19 @@ def _check_special(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(x)
 
 
+def checked_round_trip(codec, x: torch.Tensor, seed: int):
+    """Encode and decode ``x`` with ``codec``: shape, dtype, NaN and inf come back.
+    ``(packed, decoded, finite mask)``, or ``None`` where no value has a step to check
+    (an empty tensor, one kept as it is)."""
+    packed = codec.encode(x, seed=seed)
+    y = codec.decode(packed)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    finite = _check_special(x, y)
+    if x.numel() == 0 or packed.codec == "identity":
+        return None
+    return packed, y, finite
+
+
 def output_rounding(xd: torch.Tensor, yd: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Slack for storing the decoded value in ``dtype``: at most half an ulp of the output
     ``yd`` (not of the input: a value a whole step above a small input rounds on the

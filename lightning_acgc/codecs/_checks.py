@@ -25,3 +25,8 @@ def check_group_size(field: str, value: int) -> None:
 def check_choice(field: str, value: object, allowed: tuple) -> None:
     if value not in allowed:
         raise ValueError(f"{field}={value!r} is not allowed; allowed values: {list(allowed)}")
+
+
+def check_share(field: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"{field}={value!r} must be a number in [0, 1]")

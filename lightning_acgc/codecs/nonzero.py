@@ -19,7 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_acgc.codecs._checks import QUANT_WIDTHS, check_choice, check_group_size
+from lightning_acgc.codecs._checks import (
+    QUANT_WIDTHS,
+    check_choice,
+    check_group_size,
+    check_share,
+)
 from lightning_acgc.codecs.base import Packed
 from lightning_acgc.codecs.identity import raw_packed
 from lightning_acgc.codecs.quant import QuantCodec, QuantWidthConfig
@@ -52,11 +57,9 @@ class NonzeroConfig:
 
     def __post_init__(self) -> None:
         check_choice("bits", self.bits, QUANT_WIDTHS)
-        share = self.low_share
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
-            raise ValueError(f"low_share={share!r} must be a number in [0, 1]")
-        if share > 0 and self.bits < 2:
-            raise ValueError(f"low_share={share!r} needs bits >= 2 (got bits={self.bits})")
+        check_share("low_share", self.low_share)
+        if self.low_share > 0 and self.bits < 2:
+            raise ValueError(f"low_share={self.low_share!r} needs bits >= 2 (got bits={self.bits})")
         check_group_size("group_size", self.group_size)
         check_choice("meta", self.meta, qk.META_FORMATS)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_acgc.codecs._checks import check_choice, check_group_size
+from lightning_acgc.codecs._checks import check_choice, check_group_size, check_share
 from lightning_acgc.codecs.base import Packed
 from lightning_acgc.codecs.deferred import DeferredCheck
 from lightning_acgc.codecs.identity import raw_packed
@@ -52,9 +52,7 @@ class SplitConfig:
 
     def __post_init__(self) -> None:
         check_choice("bits", self.bits, _WIDTHS)
-        share = self.low_share
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
-            raise ValueError(f"low_share={share!r} must be a number in [0, 1]")
+        check_share("low_share", self.low_share)
         check_group_size("group_size", self.group_size)
         check_choice("meta", self.meta, qk.META_FORMATS)
 

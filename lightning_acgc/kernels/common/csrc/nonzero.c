@@ -107,23 +107,35 @@ PORTABLE_BLOCK(uint16_t, 16)
 #undef PORTABLE_BLOCK
 
 /* Compress in a register, then store: a whole row where the chunk's room (up to limit, the
- * next chunk's values) holds 16 values, the c values alone near it (masked stores cost
+ * next chunk's values) holds W values, the c values alone near it (masked stores cost
  * a fifth more on AMD Zen 4; compressing straight to memory, vpcompressd m512, is
- * microcoded there: 14x slower). */
+ * microcoded there: 14x slower). Rows of W lanes of type MASK_T, for both element sizes. */
+#define GATHER_ROWS(W, MASK_T, LANES, LOADZ, COMPRESS, MSTORE)                           \
+    for (int64_t q = 0; q < len; q += W) {                                               \
+        MASK_T m = (MASK_T)(w >> q);                                                     \
+        int c = __builtin_popcountll((uint64_t)m);                                       \
+        __m512i v = COMPRESS(m, LOADZ(LANES(len - q), p + q));                           \
+        if (limit - dst >= W)                                                            \
+            _mm512_storeu_si512(dst, v);                                                 \
+        else                                                                             \
+            MSTORE(dst, (MASK_T)((1ULL << c) - 1), v);                                   \
+        dst += c;                                                                        \
+    }
+/* Expand: the row's c values loaded, spread to the row's set lanes, the row stored. */
+#define SCATTER_ROWS(W, MASK_T, LANES, LOADZ, EXPAND, MSTORE)                            \
+    for (int64_t q = 0; q < len; q += W) {                                               \
+        MASK_T m = (MASK_T)(w >> q);                                                     \
+        int c = __builtin_popcountll((uint64_t)m);                                       \
+        __m512i v = LOADZ((MASK_T)((1ULL << c) - 1), src);                               \
+        MSTORE(out + q, LANES(len - q), EXPAND(m, v));                                   \
+        src += c;                                                                        \
+    }
+
 static inline void gather32(const uint32_t *p, uint64_t w, int64_t len, uint32_t *dst,
                             const uint32_t *limit) {
 #if defined(__AVX512F__)
-    for (int64_t q = 0; q < len; q += 16) {
-        __mmask16 m = (__mmask16)(w >> q);
-        int c = __builtin_popcount(m);
-        __m512i v = _mm512_maskz_compress_epi32(
-            m, _mm512_maskz_loadu_epi32(lanes16(len - q), p + q));
-        if (limit - dst >= 16)
-            _mm512_storeu_si512(dst, v);
-        else
-            _mm512_mask_storeu_epi32(dst, (__mmask16)((1u << c) - 1), v);
-        dst += c;
-    }
+    GATHER_ROWS(16, __mmask16, lanes16, _mm512_maskz_loadu_epi32, _mm512_maskz_compress_epi32,
+                _mm512_mask_storeu_epi32)
 #else
     (void)limit;
     gather_portable32(p, w, len, dst);
@@ -132,13 +144,8 @@ static inline void gather32(const uint32_t *p, uint64_t w, int64_t len, uint32_t
 
 static inline void scatter32(const uint32_t *src, uint64_t w, int64_t len, uint32_t *out) {
 #if defined(__AVX512F__)
-    for (int64_t q = 0; q < len; q += 16) {
-        __mmask16 m = (__mmask16)(w >> q);
-        int c = __builtin_popcount(m);
-        __m512i v = _mm512_maskz_loadu_epi32((__mmask16)((1u << c) - 1), src);
-        _mm512_mask_storeu_epi32(out + q, lanes16(len - q), _mm512_maskz_expand_epi32(m, v));
-        src += c;
-    }
+    SCATTER_ROWS(16, __mmask16, lanes16, _mm512_maskz_loadu_epi32, _mm512_maskz_expand_epi32,
+                 _mm512_mask_storeu_epi32)
 #else
     scatter_portable32(src, w, len, out);
 #endif
@@ -147,17 +154,8 @@ static inline void scatter32(const uint32_t *src, uint64_t w, int64_t len, uint3
 static inline void gather16(const uint16_t *p, uint64_t w, int64_t len, uint16_t *dst,
                             const uint16_t *limit) {
 #if defined(__AVX512VBMI2__) && defined(__AVX512BW__)
-    for (int64_t q = 0; q < len; q += 32) {
-        __mmask32 m = (__mmask32)(w >> q);
-        int c = __builtin_popcount(m);
-        __m512i v = _mm512_maskz_compress_epi16(
-            m, _mm512_maskz_loadu_epi16(lanes32(len - q), p + q));
-        if (limit - dst >= 32)
-            _mm512_storeu_si512(dst, v);
-        else
-            _mm512_mask_storeu_epi16(dst, (__mmask32)((1ULL << c) - 1), v);
-        dst += c;
-    }
+    GATHER_ROWS(32, __mmask32, lanes32, _mm512_maskz_loadu_epi16, _mm512_maskz_compress_epi16,
+                _mm512_mask_storeu_epi16)
 #else
     (void)limit;
     gather_portable16(p, w, len, dst);
@@ -166,17 +164,14 @@ static inline void gather16(const uint16_t *p, uint64_t w, int64_t len, uint16_t
 
 static inline void scatter16(const uint16_t *src, uint64_t w, int64_t len, uint16_t *out) {
 #if defined(__AVX512VBMI2__) && defined(__AVX512BW__)
-    for (int64_t q = 0; q < len; q += 32) {
-        __mmask32 m = (__mmask32)(w >> q);
-        int c = __builtin_popcount(m);
-        __m512i v = _mm512_maskz_loadu_epi16((__mmask32)((1ULL << c) - 1), src);
-        _mm512_mask_storeu_epi16(out + q, lanes32(len - q), _mm512_maskz_expand_epi16(m, v));
-        src += c;
-    }
+    SCATTER_ROWS(32, __mmask32, lanes32, _mm512_maskz_loadu_epi16, _mm512_maskz_expand_epi16,
+                 _mm512_mask_storeu_epi16)
 #else
     scatter_portable16(src, w, len, out);
 #endif
 }
+#undef GATHER_ROWS
+#undef SCATTER_ROWS
 
 /* ---- chunks: blocks [b0, b1) of a tensor of n elements ---- */
 
