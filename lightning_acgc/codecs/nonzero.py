@@ -109,8 +109,7 @@ class NonzeroCodec:
             return raw_packed(x)
         mask, values = nk.nonzero_split(x, backend=self.backend)
         payload = {"mask": mask}
-        meta: dict = {"bits": self.config.bits, "low_share": self.config.low_share}
-        meta["nnz"] = values.numel()
+        meta: dict = {"nnz": values.numel()}  # and the inner codec's name and meta
         if values.numel():
             inner = self._values_codec().encode(values, seed)
             if inner is None or inner.codec == "identity":  # a step beyond float32

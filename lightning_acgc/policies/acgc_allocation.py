@@ -195,7 +195,7 @@ def _joint_parts(
     raw_bits: dict[str, int],
     overhead: float,
     floors: dict[str, int] | None,
-    densities: dict[str, float],
+    nonzero_share: list[float],
 ) -> tuple[dict[str, int], dict[str, dict[str, float]]]:
     """The widths that meet every budget jointly
     (:func:`~lightning_acgc.policies.acgc_joint.joint_min_widths`), and per tensor and
@@ -212,7 +212,6 @@ def _joint_parts(
         mins.append(max(first, (floors or {}).get(key, LADDER[0]), key=ORDER.index))
     sizes = [sens[k][0] for k in keys]
     raws = [raw_bits.get(k, 32) for k in keys]
-    nonzero_share = [densities.get(k, 1.0) for k in keys]
     widths = joint_min_widths(sizes, factors, tables, budgets, mins, raws, overhead, nonzero_share)
     loads = module_loads(factors, tables, widths)
     elements: dict[str, int] = {}
@@ -266,8 +265,8 @@ def quant_allocation(
     keys = sorted(k for k in sens if k in variances)
     sizes, errors, mins, raws, owns, floor_list = [], [], [], [], [], []
     budgets = _layer_budgets(layer_sq, e_sq, own_scale, layer_share)
-    densities = densities or {}
-    args = (raw_bits, overhead, floors, densities)
+    nonzero_share = [(densities or {}).get(k, 1.0) for k in keys]
+    args = (raw_bits, overhead, floors, nonzero_share)
     joint, parts = _joint_parts(keys, sens, variances, budgets, *args)
     for key in keys:
         n, weights, other = sens[key]
@@ -282,7 +281,6 @@ def quant_allocation(
         raws.append(raw_bits.get(key, 32))
         owns.append((own, v) if factor > 0 else None)  # SAFE_WIDTH stays whole
         floor_list.append(floor)
-    nonzero_share = [densities.get(k, 1.0) for k in keys]
     widths = allocate_to_error(sizes, errors, e_sq * g_sq, mins, raws, overhead, nonzero_share)
     rooms = [
         _own_room(*o, w) if o is not None and w in QUANT_WIDTHS[1:] else 0.0

@@ -111,6 +111,7 @@ class ScopeFloors:
             if key in self._variances
         }
         others = {k: o for k, o in others.items() if o > 0}
+        nonzero = self.nonzero_shares()  # type: ignore[attr-defined]
         # innermost scopes first: a tensor tightened for an inner scope counts as such
         for scope in sorted(scope_over, key=lambda s: -s.count(".") - bool(s)):
             keys = sorted(k for k in others if within(k.rpartition(":")[0], scope))
@@ -131,7 +132,6 @@ class ScopeFloors:
             sizes = [self._structure_numel(k) for k in keys]
             raws = [self._raw_bits.get(k, 32) for k in keys]
             budget = now / (MARGIN * scope_over[scope])
-            nonzero = self.nonzero_shares()  # type: ignore[attr-defined]
             shares = [nonzero.get(k, 1.0) for k in keys]
             new = allocate_to_error(sizes, errors, budget, widths, raws, 0.0, shares)
             for key, width in zip(keys, new, strict=True):

@@ -14,6 +14,9 @@ zeros are exact even at 1 bit (``quant`` at 1 bit cannot keep them).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from lightning_acgc.codecs.base import Codec
@@ -58,6 +61,9 @@ class NonzeroLayout:
     width. Uses ``group_size``, ``_meta`` and ``_codec``."""
 
     _nonzero: dict[str, float]
+    group_size: int
+    _meta: dict[str, Any]
+    _codec: Callable[..., Codec]
 
     def nonzero_shares(self) -> dict[str, float]:
         """Share of non-zero values of every tensor stored by the ``nonzero`` codec."""
@@ -66,9 +72,9 @@ class NonzeroLayout:
     def quant_codec(self, key: str, bits: int, low_share: float = 0.0) -> Codec:
         """The codec of tensor ``key`` at ``bits`` (``low_share`` of its values a bit
         narrower): ``nonzero`` for a tensor of many zeros, else ``split`` or ``quant``."""
-        options = {"bits": bits, "group_size": self.group_size, **self._meta}  # type: ignore[attr-defined]
+        options = {"bits": bits, "group_size": self.group_size, **self._meta}
         if self._nonzero.get(key, 1.0) <= NONZERO_MAX_SHARE:
-            return self._codec("nonzero", low_share=low_share, **options)  # type: ignore[attr-defined]
+            return self._codec("nonzero", low_share=low_share, **options)
         if low_share:
-            return self._codec("split", low_share=low_share, **options)  # type: ignore[attr-defined]
-        return self._codec("quant", QuantWidthConfig, **options)  # type: ignore[attr-defined]
+            return self._codec("split", low_share=low_share, **options)
+        return self._codec("quant", QuantWidthConfig, **options)
