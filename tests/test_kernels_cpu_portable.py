@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def portable_library(tmp_path_factory):
     """The kernels compiled with ``-march=x86-64-v2`` into a fresh cache, in use by the
-    quant and bounded CPU paths for the tests of this module."""
+    quant, bounded, division and intpack CPU paths for the tests of this module."""
     patch = pytest.MonkeyPatch()
     flags = [f if f != "-march=native" else "-march=x86-64-v2" for f in cpu_lib._FLAGS]
     assert flags != cpu_lib._FLAGS  # the native build names -march=native
@@ -34,9 +34,10 @@ def portable_library(tmp_path_factory):
     assert lib is not None
     import lightning_acgc.kernels.bounded.cpu as bounded_cpu
     import lightning_acgc.kernels.division.cpu as division_cpu
+    import lightning_acgc.kernels.intpack.cpu as intpack_cpu
     import lightning_acgc.kernels.quant.cpu as quant_cpu
 
-    for module in (quant_cpu, bounded_cpu, division_cpu):
+    for module in (quant_cpu, bounded_cpu, division_cpu, intpack_cpu):
         patch.setattr(module, "cpu_library", lambda: lib)
     yield lib
     patch.undo()
@@ -121,3 +122,24 @@ def test_portable_nonzero_matches_reference(portable_library, monkeypatch, dtype
             out = nonzero_cpu.nonzero_merge_cpu(bits, values, n)
             assert torch.equal(out.view(ints), v.reshape(-1).view(ints))
             assert torch.equal(out.view(ints), nonzero_merge_ref(bits, values, n).view(ints))
+
+
+@pytest.mark.parametrize(
+    ("shape", "k", "stride", "pad"),
+    [((2, 8, 32, 32), 2, 2, 0), ((2, 4, 112, 112), 3, 2, 1), ((1, 5, 33, 17), 3, 3, 0),
+     ((3, 2, 16, 20), 5, 2, 2), ((2, 3, 9, 9), 3, 2, 1)],
+)  # fmt: skip
+def test_portable_window_matches_reference(portable_library, shape, k, stride, pad) -> None:
+    """Max-pool indices in intpack's window mode: the portable offsets and codes give the
+    reference's bytes, and a value outside its window declines as the reference does."""
+    from lightning_acgc.kernels.intpack.cpu import window_encode_cpu
+    from lightning_acgc.kernels.intpack.window import window_encode_ref, window_fit
+
+    torch.manual_seed(0)
+    _, idx = torch.nn.functional.max_pool2d(torch.randn(shape), k, stride, pad, return_indices=True)
+    fit = window_fit(idx)
+    ref, got = window_encode_ref(idx, *fit), window_encode_cpu(idx, *fit)
+    assert ref.keys() == got.keys() and all(torch.equal(ref[key], got[key]) for key in ref)
+    bad = idx.clone()
+    bad.view(-1)[-1] += 10**6
+    assert window_encode_ref(bad, *fit) is None and window_encode_cpu(bad, *fit) is None
