@@ -319,7 +319,11 @@ static inline void subtract_scan(const float *p, float *r, int64_t len, uint8_t 
     for (int64_t i = 0; i < len; i += 16) {
         __mmask16 m = lanes16(len - i);
         __m512 v = _mm512_maskz_loadu_ps(m, p + i);
-        _mm512_mask_storeu_ps(r + i, m, _mm512_sub_ps(v, _mm512_maskz_loadu_ps(m, r + i)));
+        __m512 d = _mm512_sub_ps(v, _mm512_maskz_loadu_ps(m, r + i));
+        if (m == 0xFFFF) /* a masked store costs several times a plain one on an AMD EPYC */
+            _mm512_storeu_ps(r + i, d);
+        else
+            _mm512_mask_storeu_ps(r + i, m, d);
         mn = _mm512_mask_min_ps(mn, m, v, mn);
         mp = _mm512_mask_min_ps(mp, m & _mm512_cmp_ps_mask(v, zero, _CMP_GT_OQ), v, mp);
         uint16_t z = m & _mm512_cmp_ps_mask(v, zero, _CMP_EQ_OQ);
@@ -389,11 +393,8 @@ int acgc_division_residual(const float *x, int64_t planes, int64_t h, int64_t w,
             status = 1;
             continue;
         }
-        for (int k = 0; k < m; k++) {
-            int64_t glen = len - k * gs < gs ? len - k * gs : gs;
-            pack_span(r + k * gs, glen, pad, i0 + k * gs, gs, bits, out_lo[g0 + k], iv[k], tp[k],
-                      z[k], key, codes + (g0 + k) * (gs * bits / 8));
-        }
+        pack_groups(r, len, pad, i0, gs, m, bits, out_lo + g0, iv, tp, z, key,
+                    codes + g0 * (gs * bits / 8)); /* gs <= CHUNK: the caller checks */
     }
     stats[0] = mn;
     stats[1] = mp;

@@ -87,7 +87,27 @@ static inline int lane_stats(const float *p, int64_t len, int want, float *lo, f
     __m512 mn = _mm512_set1_ps(INFINITY), mx = _mm512_set1_ps(-INFINITY), mp = mn;
     __m512 top = _mm512_set1_ps(3.4028234663852886e38f), zero = _mm512_setzero_ps();
     __mmask16 nf = 0;
-    for (int64_t i = 0; i < len; i += 16) {
+    int64_t i = 0;
+    /* rows of 32 into two sets of lanes (each min or max waits for the one before it in
+     * its lanes: one set was a chain of 16 a group of 256, a third of quant's encode),
+     * folded into one, then the rest as below; only the sign of a zero can differ */
+    if (len >= 32) {
+        __m512 mn2 = mn, mx2 = mx, mp2 = mp;
+        for (; i + 32 <= len; i += 32) {
+            __m512 v = _mm512_loadu_ps(p + i), u = _mm512_loadu_ps(p + i + 16);
+            if (want & STAT_FINITE)
+                nf |= (__mmask16)~(_mm512_cmp_ps_mask(_mm512_abs_ps(v), top, _CMP_LE_OQ) &
+                                   _mm512_cmp_ps_mask(_mm512_abs_ps(u), top, _CMP_LE_OQ));
+            if (want & STAT_MIN) mn = _mm512_min_ps(v, mn), mn2 = _mm512_min_ps(u, mn2);
+            if (want & STAT_MAX) mx = _mm512_max_ps(v, mx), mx2 = _mm512_max_ps(u, mx2);
+            if (want & STAT_POS) {
+                mp = _mm512_mask_min_ps(mp, _mm512_cmp_ps_mask(v, zero, _CMP_GT_OQ), v, mp);
+                mp2 = _mm512_mask_min_ps(mp2, _mm512_cmp_ps_mask(u, zero, _CMP_GT_OQ), u, mp2);
+            }
+        }
+        mn = _mm512_min_ps(mn2, mn), mx = _mm512_max_ps(mx2, mx), mp = _mm512_min_ps(mp2, mp);
+    }
+    for (; i < len; i += 16) {
         __mmask16 m = lanes16(len - i);
         __m512 v = _mm512_maskz_loadu_ps(m, p + i);
         if (want & STAT_FINITE)
@@ -274,10 +294,13 @@ static const uint8_t __attribute__((unused)) WORD_BYTES[8][64] = TABLE(WORD_AT);
  * little-endian bit stream into out (len / 8 * w bytes): each 8 codes squeezed into a word
  * (a loop that vectorizes), stored as its w low bytes (little-endian hosts: x86-64,
  * aarch64). With AVX-512 VBMI, eight words at a time: one byte permutation gathers their
- * 8w stream bytes, one masked store writes them (a scalar store a word was 13% of a 3-bit
- * encode); elsewhere an 8-byte store where 8 bytes of out remain (the next words overwrite
- * the rest). */
-static inline void pack_bytes_w(const uint8_t *q, int64_t len, int w, uint8_t *out) {
+ * 8w stream bytes, one 64-byte store writes them where room (the bytes writable from out,
+ * at least len / 8 * w) allows: the next words, or the caller's next codes, overwrite the
+ * rest (a scalar store a word was 13% of a 3-bit encode; a copy through a buffer at each
+ * 256-value group's end, a ninth of bounded's encode); elsewhere an 8-byte store where 8
+ * bytes of room remain. */
+static inline void pack_bytes_w(const uint8_t *q, int64_t len, int w, uint8_t *out,
+                                int64_t room) {
     uint64_t words[CHUNK / 8];
     int64_t units = len / 8, b = 0;
     memcpy(words, q, (size_t)units * 8);
@@ -286,7 +309,7 @@ static inline void pack_bytes_w(const uint8_t *q, int64_t len, int w, uint8_t *o
     __m512i index = _mm512_loadu_si512(STREAM_BYTES[w - 1]);
     for (; b + 8 <= units; b += 8) {
         __m512i v = _mm512_permutexvar_epi8(index, _mm512_loadu_si512(words + b));
-        if ((units - b) * w >= 64) { /* a whole store: the next words overwrite the rest */
+        if (b * w + 64 <= room) { /* a whole store: later words or codes overwrite the rest */
             _mm512_storeu_si512(out + b * w, v);
         } else { /* the stream's end (a masked store cost 120 cycles on an AMD EPYC) */
             uint8_t last[64];
@@ -296,7 +319,7 @@ static inline void pack_bytes_w(const uint8_t *q, int64_t len, int w, uint8_t *o
     }
 #endif
     for (; b < units; b++) {
-        if ((units - b) * w >= 8)
+        if (b * w + 8 <= room)
             memcpy(out + b * w, &words[b], 8);
         else
             memcpy(out + b * w, &words[b], (size_t)w);
@@ -341,11 +364,17 @@ static inline void unpack_bytes_w(const uint8_t *src, int64_t m, int w, int64_t 
     case W:                                                                               \
         CALL;                                                                             \
         break;
-static __attribute__((unused)) void pack_bytes(const uint8_t *q, int64_t len, int w, uint8_t *out) {
-#define PACK_BYTES(W) CASE_W(W, pack_bytes_w(q, len, W, out))
+static __attribute__((unused)) void pack_bytes_room(const uint8_t *q, int64_t len, int w,
+                                                     uint8_t *out, int64_t room) {
+#define PACK_BYTES(W) CASE_W(W, pack_bytes_w(q, len, W, out, room))
     switch (w) { PACK_BYTES(1) PACK_BYTES(2) PACK_BYTES(3) PACK_BYTES(4) PACK_BYTES(5)
                  PACK_BYTES(6) PACK_BYTES(7) PACK_BYTES(8) default: break; }
 #undef PACK_BYTES
+}
+
+/* pack_bytes_room writing only the stream's own len / 8 * w bytes. */
+static __attribute__((unused)) void pack_bytes(const uint8_t *q, int64_t len, int w, uint8_t *out) {
+    pack_bytes_room(q, len, w, out, len / 8 * w);
 }
 
 static __attribute__((unused)) void unpack_bytes(const uint8_t *src, int64_t m, int w, int64_t avail, uint8_t *q) {
@@ -425,6 +454,57 @@ static inline void pack_span(const float *p, int64_t valid, float pad, int64_t b
         }
     }
 }
+
+/* pack_span of m consecutive groups at once (m * gs <= CHUNK): p[0..valid) their values
+ * (the rest pad), the groups' own l, iv, tp and z; one hash loop and one pack loop for all
+ * of them (per group, those loops' set-up was a third of quant's and division's packing
+ * at 256 values a group). The codes of group k at out + k * gs * bits / 8, as pack_span
+ * writes them. */
+#pragma GCC diagnostic push /* noise: pair_hashes writes its len / 2 words, which GCC */
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized" /* does not follow into the loops */
+static inline void pack_groups(const float *p, int64_t valid, float pad, int64_t base, int64_t gs,
+                               int m, int bits, const float *l, const float *iv, const float *tp,
+                               const uint8_t *z, uint32_t key, uint8_t *out) {
+    uint8_t q[CHUNK];
+    union {
+        uint32_t w[CHUNK / 2];
+        uint16_t half[CHUNK];
+    } noise;
+    int64_t len = (int64_t)m * gs;
+    pair_hashes((uint64_t)base >> 1, len / 2, key, noise.w);
+    for (int k = 0; k < m; k++) {
+        int64_t s = k * gs, real = valid - s < gs ? (valid - s > 0 ? valid - s : 0) : gs;
+        const float *pk = p + s;
+        const uint16_t *u16 = noise.half + s;
+        uint8_t *qk = q + s;
+        float lk = l[k], ik = iv[k], tk = tp[k];
+        if (z[k])
+            for (int64_t j = 0; j < real; j++)
+                qk[j] = code_of(pk[j], (float)u16[j] * NOISE_UNIT, lk, ik, tk, 1);
+        else
+            for (int64_t j = 0; j < real; j++)
+                qk[j] = code_of(pk[j], (float)u16[j] * NOISE_UNIT, lk, ik, tk, 0);
+        for (int64_t j = real; j < gs; j++)
+            qk[j] = code_of(pad, (float)u16[j] * NOISE_UNIT, lk, ik, tk, z[k]);
+    }
+    if (bits == 8) {
+        memcpy(out, q, (size_t)len);
+    } else if (bits == 4) {
+        for (int64_t b = 0; b < len / 2; b++) out[b] = q[2 * b] | (q[2 * b + 1] << 4);
+    } else if (bits == 2) {
+        for (int64_t b = 0; b < len / 4; b++)
+            out[b] = q[4 * b] | (q[4 * b + 1] << 2) | (q[4 * b + 2] << 4) | (q[4 * b + 3] << 6);
+    } else if (bits == 1) {
+        for (int64_t b = 0; b < len / 8; b++) {
+            uint8_t byte = 0;
+            for (int k = 0; k < 8; k++) byte |= (uint8_t)(q[8 * b + k] << k);
+            out[b] = byte;
+        }
+    } else {
+        pack_bytes(q, len, bits, out);
+    }
+}
+#pragma GCC diagnostic pop
 
 /* Decode one group: its len values (len <= gs) from the group's codes at src into dst;
  * code c is fmaf(c, step, lo) (zero-kept: code 0 is +0.0, code c >= 1 is

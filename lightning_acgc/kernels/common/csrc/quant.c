@@ -66,8 +66,15 @@ int acgc_quant_encode(const float *x, int64_t n, int64_t gs, int bits, int bf16,
             status |= bf16 ? 1 : 2;
             continue;
         }
-        for (int k = 0; k < m; k++)
-            pack_group(x, n, gs, bits, g0 + k, out_lo[g0 + k], iv[k], tp[k], z[k], key, codes);
+        if (gs * BLOCK_GROUPS <= CHUNK) { /* the block's groups in one pack_groups */
+            int64_t i0 = g0 * gs;
+            pack_groups(x + i0, n - i0, x[n - 1], i0, gs, m, bits, out_lo + g0, iv, tp, z, key,
+                        codes + g0 * (gs * bits / 8));
+        } else {
+            for (int k = 0; k < m; k++)
+                pack_group(x, n, gs, bits, g0 + k, out_lo[g0 + k], iv[k], tp[k], z[k], key,
+                           codes);
+        }
     }
     return status & 2 ? 2 : status;
 }
