@@ -66,6 +66,31 @@ def test_bounded_cpu_matches_reference(name: str, dtype: torch.dtype) -> None:
             assert torch.equal(y_cpu[~fin].float().nan_to_num(0.0), flat[~fin].nan_to_num(0.0))
 
 
+@pytest.mark.parametrize("slack", [None, 1.0, 1.6])
+def test_groups_skip_the_check_only_where_no_value_can_miss(
+    monkeypatch: pytest.MonkeyPatch, slack: float | None
+) -> None:
+    """The pack checks a group's decoded values only where its step and magnitude leave
+    the bound a rounding could break (``group_safe`` in ``bounded.c``): groups near 0 skip
+    it, groups near 1e4 at eb = 0.01 (float32's spacing there: 0.001) keep it; with the
+    plan's slack at 1 or forced beyond (steps too large), every group keeps it and the
+    violators are listed as the reference lists them."""
+    import lightning_acgc.kernels.bounded.plan as bplan
+
+    if slack is not None:
+        monkeypatch.setattr(bplan, "_STEP_SLACK", slack)
+    g = torch.Generator().manual_seed(4)
+    x = torch.cat([torch.randn(2560, generator=g), 1e4 + torch.randn(2560, generator=g)])
+    ref = bounded_encode_ref(x, 0.01, 256)
+    got = bounded_encode_cpu(x, 0.01, 256)
+    for k in ref:
+        assert torch.equal(_bits(ref[k]), _bits(got[k])), k
+    assert bool((ref["width"] != 255).all())  # every group coded: each one packed
+    assert (ref["exc_idx"].numel() > 0) == (slack == 1.6)
+    y = bounded_decode_cpu(got, 256, x.numel(), x.dtype)
+    assert bool(((y - x).abs() <= 0.01).all())
+
+
 def test_bounded_router_picks_the_cpu_path_and_rejects_bad_input() -> None:
     x = torch.randn(1000).relu()
     payload = bounded_encode(x, 1e-3, 64, backend="cpu")

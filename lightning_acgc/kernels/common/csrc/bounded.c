@@ -46,6 +46,15 @@ int64_t acgc_bounded_offsets(const uint8_t *width, int64_t groups, int64_t gs, i
     return total;
 }
 
+/* 2^e for -1022 <= e <= 1023, exactly (the bits of a double: ldexp was a call a use, a
+ * third of the plan's time). */
+static inline double pow2_of(int e) {
+    uint64_t b = (uint64_t)(e + 1023) << 52;
+    double r;
+    memcpy(&r, &b, 8);
+    return r;
+}
+
 /* plan.py's _ulp: the spacing of a format with mant mantissa bits and smallest normal
  * exponent emin in the binade of mag (float64, >= 0). */
 static inline double ulp_of(double mag, int mant, int emin) {
@@ -54,7 +63,7 @@ static inline double ulp_of(double mag, int mant, int emin) {
     b &= 0x7FF0000000000000ULL; /* 2^floor(log2 mag), exactly */
     double pow2;
     memcpy(&pow2, &b, 8);
-    double r = pow2 * ldexp(1.0, -mant), least = ldexp(1.0, emin - mant);
+    double r = pow2 * pow2_of(-mant), least = pow2_of(emin - mant);
     return r < least ? least : r;
 }
 
@@ -104,8 +113,10 @@ int acgc_bounded_plan(const float *lo, const float *hi, const float *min_pos,
         float top = nearbyintf((h - base) / step) + (float)zk;
         int coded = !cst && step > 0.0f && top <= top_code;
         int raw = !cst && !coded;
-        int e = 0;
-        frexpf(coded ? top : 0.0f, &e);
+        /* frexpf's exponent of a coded top (an integer in [0, top_code]; 0 for 0), from
+         * its bits (the call was a fifth of the plan's time) */
+        uint32_t tb = coded ? bits_of(top) : 0u;
+        int e = tb ? (int)((tb >> 23) & 0xFFu) - 126 : 0;
         width[g] = raw ? 255 : (uint8_t)e;
         lo_p[g] = raw ? 0.0f : base;
         step_p[g] = coded ? (zk ? -step : step) : 0.0f;
@@ -178,81 +189,110 @@ bounded_codes(const float *xs, int64_t m, int64_t valid, float l, float div, flo
     return cnt;
 }
 
+/* 1 where no value of a coded group (lo l, |step| s, width w) can decode further than eb32
+ * from itself, so that its check may be skipped (the pack's check costs as much as its
+ * coding). |x̂ - x| is at most s / 2 (the rounding to a code) plus the float32 rounding of
+ * x - l, its division by s, q * s and the + l, each within a unit roundoff u = 2^-24 of a
+ * magnitude below 2M + s, where M = |l| + (2^w + 1) s bounds the group's values (its top
+ * code is at most 2^w - 1), plus 2^-150 each in the subnormal range, and the cast to the
+ * output kind, half its spacing at M + s: taken here as 16u(M + s) + 2^-147 and a whole
+ * spacing, about twice what that sum needs. Far from float32's largest values (no clamp). */
+static inline int group_safe(float l, float s, int w, int kind, float eb32) {
+    double m = fabs((double)l) + (double)((1 << w) + 1) * (double)s + (double)s;
+    double err = 0.5 * (double)s + 16.0 * 0x1p-24 * m + 0x1p-147;
+    if (kind != 0) err += ulp_of(m, kind == 1 ? 10 : 7, kind == 1 ? -14 : -126);
+    return m < 1e37 && err < (double)eb32;
+}
+
+#define PACK_GROUPS 16 /* groups a work item of the pack encodes, in order (see room) */
+
 /* Encode: per group g of kind width[g] (0 constant, 1..16 coded, 255 raw) with lo/step from
  * the plan, the codes round((x - lo) / |step|) (half to even; +1 in zero-kept groups, 0 at
  * zeros) packed from byte off[g] as a little-endian bit stream; then, if check, each
  * element's decoded value (cast to kind) compared with x: |x̂ - x| < eb32 or it violates,
  * eb32 the largest float32 <= eb. Returns the number of violators among the first n
- * elements; flags (if not NULL) gets 1 at each. The tail group is padded with x[n - 1]. */
+ * elements; flags (if not NULL) gets 1 at each. The tail group is padded with x[n - 1].
+ * A work item's groups are packed in order, each with the room up to the item's last code:
+ * a group's last whole store spills into the next group's bytes, which it then writes. */
 int64_t acgc_bounded_pack(const float *x, int64_t n, int64_t gs, const uint8_t *width,
                           const float *lo, const float *step, const int64_t *off, double eb,
                           float top, int kind, int check, uint8_t *codes, uint8_t *flags,
                           int nthreads) {
     int64_t groups = (n + gs - 1) / gs, violators = 0;
+    int64_t blocks = (groups + PACK_GROUPS - 1) / PACK_GROUPS;
+    int last = width[groups - 1];
+    int64_t total = off[groups - 1] + (last == 255 ? 0 : last * (gs / 8)); /* bytes of codes */
     float eb32 = f32_down(eb);
 #pragma omp parallel for schedule(static) num_threads(THREADS(n)) reduction(+ : violators)
-    for (int64_t g = 0; g < groups; g++) {
-        int w = width[g];
-        int64_t base = g * gs;
-        int64_t len = base + gs <= n ? gs : n - base;
-        int32_t bad = 0;
-        if (w == 255) { /* raw: decodes exactly; only a zero bound fails the check */
-            if (check && !(0.0f < eb32)) {
-                bad = (int32_t)len;
-                if (flags) memset(flags + base, 1, (size_t)len);
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        int64_t g1 = (blk + 1) * PACK_GROUPS < groups ? (blk + 1) * PACK_GROUPS : groups;
+        int64_t end = g1 < groups ? off[g1] : total; /* the block's codes end: its own room */
+        for (int64_t g = blk * PACK_GROUPS; g < g1; g++) {
+            int w = width[g];
+            int64_t base = g * gs;
+            int64_t len = base + gs <= n ? gs : n - base;
+            int32_t bad = 0;
+            if (w == 255) { /* raw: decodes exactly; only a zero bound fails the check */
+                if (check && !(0.0f < eb32)) {
+                    bad = (int32_t)len;
+                    if (flags) memset(flags + base, 1, (size_t)len);
+                }
+                violators += bad;
+                continue;
             }
-            violators += bad;
-            continue;
-        }
-        float l = lo[g], st = step[g];
-        int zk = signbit(st) ? 1 : 0;
-        float s = fabsf(st);
-        float div = s > 0.0f ? s : 1.0f; /* coded groups (width 0 too): |step| */
-        uint8_t *out = codes + off[g];
-        float q[CHUNK], xv[CHUNK];
-        for (int64_t c0 = 0; c0 < gs; c0 += CHUNK) {
-            int64_t m = gs - c0 < CHUNK ? gs - c0 : CHUNK;
-            int64_t valid = len - c0 < m ? (len - c0 > 0 ? len - c0 : 0) : m;
-            const float *xs = x + base + c0;
-            if (valid < m) { /* the tail group: padded with x[n - 1] */
-                for (int64_t j = 0; j < m; j++) xv[j] = j < valid ? xs[j] : x[n - 1];
-                xs = xv;
-            }
-            /* constant check, kind and zk in each copy of the loop (with zk a variable,
-             * GCC formed a select of booleans it cannot vectorize: 14x slower) */
-            int32_t cnt;
+            float l = lo[g], st = step[g];
+            int zk = signbit(st) ? 1 : 0;
+            float s = fabsf(st);
+            float div = s > 0.0f ? s : 1.0f; /* coded groups (width 0 too): |step| */
+            uint8_t *out = codes + off[g];
+            int safe = group_safe(l, s, w, kind, eb32);
+            float q[CHUNK], xv[CHUNK];
+            for (int64_t c0 = 0; c0 < gs; c0 += CHUNK) {
+                int64_t m = gs - c0 < CHUNK ? gs - c0 : CHUNK;
+                int64_t valid = len - c0 < m ? (len - c0 > 0 ? len - c0 : 0) : m;
+                const float *xs = x + base + c0;
+                if (valid < m) { /* the tail group: padded with x[n - 1] */
+                    for (int64_t j = 0; j < m; j++) xv[j] = j < valid ? xs[j] : x[n - 1];
+                    xs = xv;
+                }
+                /* constant check, kind and zk in each copy of the loop (with zk a variable,
+                 * GCC formed a select of booleans it cannot vectorize: 14x slower) */
+                int32_t cnt;
+                int chk = check && !safe; /* this group's values checked */
 #define CODES(CHECK, KIND)                                                                \
     (zk ? bounded_codes(xs, m, valid, l, div, s, 1, top, eb32, CHECK, KIND, q)             \
         : bounded_codes(xs, m, valid, l, div, s, 0, top, eb32, CHECK, KIND, q))
-            if (!check)
-                cnt = CODES(0, 0);
-            else if (kind == 0)
-                cnt = CODES(1, 0);
-            else if (kind == 1)
-                cnt = CODES(1, 1);
-            else
-                cnt = CODES(1, 2);
+                if (!chk)
+                    cnt = CODES(0, 0);
+                else if (kind == 0)
+                    cnt = CODES(1, 0);
+                else if (kind == 1)
+                    cnt = CODES(1, 1);
+                else
+                    cnt = CODES(1, 2);
 #undef CODES
-            if (w > 0 && w <= 8) { /* m is a multiple of 8: each chunk starts on a byte */
-                uint8_t qb[CHUNK];
-                for (int64_t j = 0; j < m; j++) qb[j] = (uint8_t)q[j];
-                pack_bytes(qb, m, w, out + c0 / 8 * w);
-            } else if (w > 8) {
-                uint32_t qi[CHUNK];
-                for (int64_t j = 0; j < m; j++) qi[j] = (uint32_t)q[j];
-                pack_codes(qi, m, w, out + c0 / 8 * w);
-            }
-            if (check) {
-                bad += cnt;
-                if (cnt && flags) {
-                    for (int64_t j = 0; j < valid; j++) {
-                        float d = round_kind(bounded_value(q[j], l, s, zk, top), kind);
-                        if (!(fabsf(d - xs[j]) < eb32)) flags[base + c0 + j] = 1;
+                if (w > 0 && w <= 8) { /* m is a multiple of 8: each chunk starts on a byte */
+                    uint8_t qb[CHUNK];
+                    for (int64_t j = 0; j < m; j++) qb[j] = (uint8_t)q[j];
+                    uint8_t *o = out + c0 / 8 * w;
+                    pack_bytes_room(qb, m, w, o, codes + end - o);
+                } else if (w > 8) {
+                    uint32_t qi[CHUNK];
+                    for (int64_t j = 0; j < m; j++) qi[j] = (uint32_t)q[j];
+                    pack_codes(qi, m, w, out + c0 / 8 * w);
+                }
+                if (chk) {
+                    bad += cnt;
+                    if (cnt && flags) {
+                        for (int64_t j = 0; j < valid; j++) {
+                            float d = round_kind(bounded_value(q[j], l, s, zk, top), kind);
+                            if (!(fabsf(d - xs[j]) < eb32)) flags[base + c0 + j] = 1;
+                        }
                     }
                 }
             }
+            violators += bad;
         }
-        violators += bad;
     }
     return violators;
 }
