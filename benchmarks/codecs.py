@@ -7,11 +7,11 @@ size the median (and min) of encode and decode as a multiple of the clone's medi
 the clone times of every setting with the same input pooled), and GB/s counting bytes
 read plus written. ``mask`` takes ``x > 0``, ``intpack`` int64 max-pool indices of
 about the same byte count, shaped as the pool saves them (:func:`pooling_indices`). Full
-mode (the default): 4 MB and 64 MB, 9 rounds; ``--quick``: 4 MB, 5 rounds. ``run_all``
-stores the line in ``benchmarks/results/codecs.jsonl`` and ``report`` makes README's codec
-table from it.
+mode (the default): 4 MB and 64 MB, 21 rounds (the machine is shared: the median of 9 moved
+by a third between runs); ``--quick``: 4 MB, 5 rounds. ``run_all`` stores the line in
+``benchmarks/results/codecs.jsonl`` and ``report`` makes README's codec table from it.
 
-    python -m benchmarks.codecs [--quick] [--sizes-mb 4 64] [--rounds 9] [--threads 2]
+    python -m benchmarks.codecs [--quick] [--sizes-mb 4 64] [--rounds 21] [--threads 2]
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__)
     add_common_arguments(parser)
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=None, help="4 64; quick: 4")
-    parser.add_argument("--rounds", type=int, default=None, help="default: 9; quick: 5")
+    parser.add_argument("--rounds", type=int, default=None, help="default: 21; quick: 5")
     parser.add_argument("--only", nargs="*", default=list(SETTINGS), choices=list(SETTINGS))
     args = parser.parse_args(argv)
     mode = "quick" if args.quick else "full"
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.threads = 2  # the CI machine's cores; --threads overrides
     setup_threads(args)
     sizes = args.sizes_mb or ([4] if args.quick else [4, 64])
-    rounds = args.rounds or (5 if args.quick else 9)
+    rounds = args.rounds or (5 if args.quick else 21)
     device = resolve_device(args.device)
     gen = torch.Generator().manual_seed(0)
     result: dict[str, Any] = {

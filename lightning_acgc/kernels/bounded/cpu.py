@@ -24,6 +24,7 @@ from lightning_acgc.kernels.bounded.plan import (
 from lightning_acgc.kernels.bounded.reference import bounded_decode_ref, bounded_encode_ref
 from lightning_acgc.kernels.common.cpu_lib import cpu_library, cpu_threads
 from lightning_acgc.kernels.common.nonfinite import restore_exceptions
+from lightning_acgc.kernels.common.small import cpu_empty, cpu_scalar
 
 __all__ = ["bounded_decode_cpu", "bounded_encode_cpu"]
 
@@ -128,23 +129,25 @@ def bounded_encode_cpu(
         flags = torch.zeros(groups * group_size, dtype=torch.uint8)
         pack(flags)
         exc_idx = flags[:n].nonzero().view(-1)
-    else:
-        exc_idx = torch.zeros(0, dtype=torch.int64)
+        exc_val = xf[exc_idx].to(x.dtype)
+    else:  # the common case: shared empty tensors (fresh ones were a tenth of the encode)
+        exc_idx, exc_val = cpu_empty(torch.int64), cpu_empty(x.dtype)
     raw_groups = (width == RAW_WIDTH).nonzero().view(-1) if raw_any else None
     if raw_groups is not None:
         xpad = torch.cat([xf, xf[-1:].expand(groups * group_size - n)])
         raw_vals = xpad.view(groups, group_size).index_select(0, raw_groups).to(x.dtype)
+        raw_vals = raw_vals.reshape(-1)
     else:
-        raw_vals = torch.zeros(0, dtype=x.dtype)
+        raw_vals = cpu_empty(x.dtype)
     return {
         "width": width,
         "lo": lo_p,
         "step": step_p,
         "codes": codes,
-        "raw": raw_vals.reshape(-1),
+        "raw": raw_vals,
         "exc_idx": exc_idx,
-        "exc_val": xf[exc_idx].to(x.dtype),
-        "bound": torch.tensor(eb, dtype=torch.float64),
+        "exc_val": exc_val,
+        "bound": cpu_scalar(eb, torch.float64),
     }
 
 

@@ -19,6 +19,7 @@ import torch
 
 from lightning_acgc.kernels.common.cpu_lib import cpu_library, cpu_threads
 from lightning_acgc.kernels.common.nonfinite import restore_exceptions
+from lightning_acgc.kernels.common.small import cpu_empty
 from lightning_acgc.kernels.division.pooling import pool_axes, pool_axis
 from lightning_acgc.kernels.division.reference import (
     Kernels,
@@ -141,10 +142,10 @@ def _encode_fused(
         "codes": codes,
         "lo": lo,
         "scale": scale,
-        "res_exc_idx": _none(torch.int64),
-        "res_exc_val": _none(torch.float32),
-        "exc_idx": _none(torch.int64),
-        "exc_val": _none(x.dtype),
+        "res_exc_idx": cpu_empty(torch.int64),
+        "res_exc_val": cpu_empty(torch.float32),
+        "exc_idx": cpu_empty(torch.int64),
+        "exc_val": cpu_empty(x.dtype),
     }
     if x_min == 0 and min_pos < math.inf:  # >= 0, zeros and a value > 0: the zero pattern
         payload["zero_mask"] = zbits
@@ -152,17 +153,6 @@ def _encode_fused(
     elif x_min > 0:  # positive: decodes stay positive (reference.py's format)
         payload["min_pos"] = stats[:1]
     return payload
-
-
-_NONE: dict[torch.dtype, torch.Tensor] = {}
-
-
-def _none(dtype: torch.dtype) -> torch.Tensor:
-    """An empty CPU tensor of ``dtype``, one per dtype shared by every payload (no bytes;
-    four fresh ones took a twentieth of encoding 4 MB)."""
-    if dtype not in _NONE:
-        _NONE[dtype] = torch.empty(0, dtype=dtype)
-    return _NONE[dtype]
 
 
 def _decode_fused(

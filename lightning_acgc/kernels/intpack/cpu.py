@@ -11,6 +11,7 @@ import array
 import torch
 
 from lightning_acgc.kernels.common.cpu_lib import cpu_library, cpu_threads
+from lightning_acgc.kernels.common.small import cpu_scalar
 from lightning_acgc.kernels.intpack.window import MAX_WIDTH, code_width
 
 __all__ = ["intpack_decode_cpu", "intpack_encode_cpu", "window_decode_cpu", "window_encode_cpu"]
@@ -88,17 +89,13 @@ def window_encode_cpu(x: torch.Tensor, s: int, w_in: int) -> dict[str, torch.Ten
         if len(_LAST) > 256:
             _LAST.clear()
         _LAST[key] = (mr, mc, kb, width)
-    return {"bits": bits, "width": _uint8(width), "window": _int64s(s, w_in, mr, mc, kb, h, w)}
-
-
-def _uint8(value: int) -> torch.Tensor:
-    """A 0-d uint8 tensor of ``value`` (``torch.tensor`` took 3 us: a tenth of what packing
-    4 MB of indices cost besides the pass itself)."""
-    return torch.frombuffer(bytearray((value,)), dtype=torch.uint8).view(())
+    window = _int64s(s, w_in, mr, mc, kb, h, w)
+    return {"bits": bits, "width": cpu_scalar(width, torch.uint8), "window": window}
 
 
 def _int64s(*values: int) -> torch.Tensor:
-    """A 1-d int64 tensor of ``values`` (as :func:`_uint8`)."""
+    """A 1-d int64 CPU tensor of ``values`` (as :func:`cpu_scalar`, without a list's
+    ``torch.tensor``)."""
     return torch.frombuffer(array.array("q", values), dtype=torch.int64)
 
 

@@ -64,10 +64,22 @@ void acgc_zero_pattern(const float *x, int64_t n, uint8_t *packed, float *min_po
     *min_pos = best;
 }
 
-/* In place over o[0..len) (len <= CHUNK): clamp to [-fmax, fmax]; with a zero mask zm (its
- * bit k of byte b for o[8b + k]), max(o, min_pos) and +0.0 where the bit is set. */
+#if defined(__AVX512F__)
+/* 16 values: lv[0] eight times, then lv[1] eight times, from one load and one permutation
+ * (lv[1] read but unused where left <= 8: the callers' buffers have room for it). */
+static inline __m512 tiles16(const float *lv, int64_t left) {
+    (void)left;
+    const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m128 two = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)lv));
+    return _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(two));
+}
+#endif
+
+/* In place over o[0..len) (len <= CHUNK): with lv, lv[k / 8] added to o[k] first (tile_lows);
+ * then clamp to [-fmax, fmax]; with a zero mask zm (its bit k of byte b for o[8b + k]),
+ * max(o, min_pos) and +0.0 where the bit is set. */
 static inline void finish_chunk(float *o, int64_t len, float fmax, const uint8_t *zm,
-                                float min_pos) {
+                                float min_pos, const float *lv) {
 #if defined(__AVX512F__)
     /* the selects below, one compare each, in their operand order (NaN kept by the
      * clamp, replaced by min_pos), and the mask's bits as a write mask (+0.0 where set) */
@@ -75,15 +87,21 @@ static inline void finish_chunk(float *o, int64_t len, float fmax, const uint8_t
     for (int64_t i = 0; i < len; i += 16) {
         __mmask16 m = lanes16(len - i);
         __m512 v = _mm512_maskz_loadu_ps(m, o + i);
+        if (lv) v = _mm512_add_ps(v, tiles16(lv + i / 8, len - i));
         v = _mm512_max_ps(lo, v);
         v = _mm512_min_ps(hi, v);
         v = _mm512_max_ps(v, mp);
         if (zm) {
             v = _mm512_maskz_mov_ps((__mmask16)~get_bits16(zm + i / 8, len - i), v);
         }
-        _mm512_mask_storeu_ps(o + i, m, v);
+        if (m == 0xFFFF) /* a masked store costs several times a plain one on an AMD EPYC */
+            _mm512_storeu_ps(o + i, v);
+        else
+            _mm512_mask_storeu_ps(o + i, m, v);
     }
 #else
+    if (lv)
+        for (int64_t i = 0; i < len; i++) o[i] = o[i] + lv[i / 8];
     if (!zm) { /* min_pos: -inf, or the positive tensor's minimum */
         for (int64_t i = 0; i < len; i++) {
             float v = o[i];
@@ -119,7 +137,7 @@ void acgc_division_finish(float *out, int64_t n, float fmax, const uint8_t *zmas
 #pragma omp parallel for schedule(static) num_threads(THREADS(n))
     for (int64_t c = 0; c < chunks; c++) {
         int64_t len = n - c * CHUNK < CHUNK ? n - c * CHUNK : CHUNK;
-        finish_chunk(out + c * CHUNK, len, fmax, zmask ? zmask + c * (CHUNK / 8) : 0, min_pos);
+        finish_chunk(out + c * CHUNK, len, fmax, zmask ? zmask + c * (CHUNK / 8) : 0, min_pos, 0);
     }
 }
 
@@ -253,23 +271,39 @@ int acgc_division_low(const float *x, int64_t planes, int64_t h, int64_t w, int6
 /* up[k] = the value of low over flat element i0 + k (k < len) of the (planes, h, w) view:
  * row by row, and along a row tile by tile (pw) or element by element (no division per
  * element or per tile); the callers then add or subtract up in loops that vectorize. */
+/* Whether tile_lows serves the span i0 .. i0 + len: the default block on rows of whole
+ * tiles, the span on whole tiles. */
+static inline int tiled_span(int64_t i0, int64_t len, int64_t w, int64_t blk, int pw) {
+    return pw && blk == 8 && w % 8 == 0 && i0 % 8 == 0 && len % 8 == 0;
+}
+
+/* lv[c] = the value of low over the 8 flat elements i0 + 8c .. of the (planes, h, w) view
+ * (c < len / 8; tiled_span): one tile each, a counter per tile and per row (the general
+ * loop of upsample_span costs 3x as much on rows of a few tiles). The callers add or
+ * subtract it 8 values at a time, with no buffer of the upsampled values. */
+static void tile_lows(const float *low, int64_t i0, int64_t len, int64_t h, int64_t w, int ph,
+                      float *lv) {
+    int64_t ho = ph ? (h + 7) / 8 : h, wo = w / 8;
+    int64_t c = i0 / 8, cend = (i0 + len) / 8, t = c % wo, rows = c / wo;
+    int64_t row = rows % h, pl = rows / h, base = (pl * ho + (ph ? row / 8 : row)) * wo;
+    for (float *u = lv; c < cend; c++, u++) {
+        *u = low[base + t];
+        if (++t == wo) {
+            t = 0;
+            if (++row == h) row = 0, pl++;
+            base = (pl * ho + (ph ? row / 8 : row)) * wo;
+        }
+    }
+}
+
 static void upsample_span(const float *low, int64_t i0, int64_t len, int64_t h, int64_t w,
                           int64_t blk, int ph, int pw, float *up) {
     int64_t ho = ph ? (h + blk - 1) / blk : h, wo = pw ? (w + blk - 1) / blk : w;
-    if (pw && blk == 8 && w % 8 == 0 && i0 % 8 == 0 && len % 8 == 0) {
-        /* the default block on rows of whole tiles: one tile per 8 outputs, a counter per
-         * tile and per row (the loop below costs 3x as much on rows of a few tiles) */
-        int64_t c = i0 / 8, cend = (i0 + len) / 8, t = c % wo, rows = c / wo;
-        int64_t row = rows % h, pl = rows / h, base = (pl * ho + (ph ? row / 8 : row)) * wo;
-        for (float *u = up; c < cend; c++, u += 8) {
-            float v = low[base + t];
-            for (int k = 0; k < 8; k++) u[k] = v;
-            if (++t == wo) {
-                t = 0;
-                if (++row == h) row = 0, pl++;
-                base = (pl * ho + (ph ? row / 8 : row)) * wo;
-            }
-        }
+    if (tiled_span(i0, len, w, blk, pw) && len <= CHUNK) {
+        float lv[CHUNK / 8];
+        tile_lows(low, i0, len, h, w, ph, lv);
+        for (int64_t c = 0; c < len / 8; c++)
+            for (int k = 0; k < 8; k++) up[8 * c + k] = lv[c];
         return;
     }
     int64_t i = i0, end = i0 + len, col = i % w, rr = i / w;
@@ -309,17 +343,19 @@ static void upsample_span(const float *low, int64_t i0, int64_t len, int64_t h, 
     }
 }
 
-/* r[k] = p[k] - r[k] for k < len (len <= CHUNK), with p's min (*lo), smallest positive
+/* r[k] = p[k] - r[k] for k < len (len <= CHUNK; with lv, p[k] - lv[k / 8], see tile_lows),
+ * with p's min (*lo), smallest positive
  * value (*min_pos, inf if none) and zero bits (zero_bits' layout, into out) from the same
  * loads where AVX-512 is there (one pass instead of three: a tenth of division's encode). */
 static inline void subtract_scan(const float *p, float *r, int64_t len, uint8_t *out, float *lo,
-                                 float *min_pos) {
+                                 float *min_pos, const float *lv) {
 #if defined(__AVX512F__)
     __m512 mn = _mm512_set1_ps(INFINITY), mp = mn, zero = _mm512_setzero_ps();
     for (int64_t i = 0; i < len; i += 16) {
         __mmask16 m = lanes16(len - i);
         __m512 v = _mm512_maskz_loadu_ps(m, p + i);
-        __m512 d = _mm512_sub_ps(v, _mm512_maskz_loadu_ps(m, r + i));
+        __m512 up = lv ? tiles16(lv + i / 8, len - i) : _mm512_maskz_loadu_ps(m, r + i);
+        __m512 d = _mm512_sub_ps(v, up);
         if (m == 0xFFFF) /* a masked store costs several times a plain one on an AMD EPYC */
             _mm512_storeu_ps(r + i, d);
         else
@@ -332,7 +368,10 @@ static inline void subtract_scan(const float *p, float *r, int64_t len, uint8_t 
     *lo = fold_min(mn);
     *min_pos = fold_min(mp);
 #else
-    for (int64_t k = 0; k < len; k++) r[k] = p[k] - r[k];
+    if (lv)
+        for (int64_t k = 0; k < len; k++) r[k] = p[k] - lv[k / 8];
+    else
+        for (int64_t k = 0; k < len; k++) r[k] = p[k] - r[k];
     float hi;
     *min_pos = INFINITY;
     lane_stats(p, len, STAT_MIN | STAT_POS, lo, &hi, min_pos);
@@ -366,9 +405,13 @@ int acgc_division_residual(const float *x, int64_t planes, int64_t h, int64_t w,
         int m = (int)((len + gs - 1) / gs);
         const float *p = x + i0;
         float r[CHUNK];
-        upsample_span(low, i0, len, h, w, blk, ph, pw, r);
-        float xl, xp;
-        subtract_scan(p, r, len, zbits + i0 / 8, &xl, &xp);
+        float xl, xp, lv[CHUNK / 8 + 1];
+        int tiled = tiled_span(i0, len, w, blk, pw);
+        if (tiled)
+            tile_lows(low, i0, len, h, w, ph, lv);
+        else
+            upsample_span(low, i0, len, h, w, blk, ph, pw, r);
+        subtract_scan(p, r, len, zbits + i0 / 8, &xl, &xp, tiled ? lv : 0);
         mn = xl < mn ? xl : mn;
         mp = xp < mp ? xp : mp;
         /* x is finite (acgc_division_low declined NaN/inf, their averages not being
@@ -421,10 +464,17 @@ int acgc_division_decode(const uint8_t *codes, int64_t planes, int64_t h, int64_
             unpack_group(codes + g * (gs * bits / 8), glen, gs, bits, lo[g], fabsf(scale[g]),
                          signbit(scale[g]) ? 1 : 0, o + k * gs);
         }
+        const uint8_t *zm = zmask ? zmask + i0 / 8 : 0;
+        if (tiled_span(i0, len, w, blk, pw)) { /* the averages added as finish_chunk reads o */
+            float lv[CHUNK / 8 + 1];
+            tile_lows(low, i0, len, h, w, ph, lv);
+            finish_chunk(o, len, fmax, zm, min_pos, lv);
+            continue;
+        }
         float up[CHUNK];
         upsample_span(low, i0, len, h, w, blk, ph, pw, up);
         for (int64_t k = 0; k < len; k++) o[k] = o[k] + up[k];
-        finish_chunk(o, len, fmax, zmask ? zmask + i0 / 8 : 0, min_pos);
+        finish_chunk(o, len, fmax, zm, min_pos, 0);
     }
     return 0;
 }
