@@ -401,65 +401,17 @@ static inline void pair_hashes(uint64_t p0, int64_t npairs, uint32_t key, uint32
     }
 }
 
-/* Stochastic rounding and packing of one group of gs values, the group at element index
- * base (even: groups hold a multiple of 8): p[0..valid) its values, pad the value of the
- * elements past them (the tail group of the padded array) with its lo, inv (1 / step, 0
- * for a zero step), top and zk (zero-kept); see code_of (p's values and pad lie in the
- * group's range: the callers' l is the min of the very values they pass, pad the last of
- * them) and pair_hashes for the noise. A little-endian bit stream of bits-bit codes (1..8
- * bits): 8 codes fill bits bytes, code k at bit bits * k, written to out (the group's
- * gs * bits / 8 bytes). */
-static inline void pack_span(const float *p, int64_t valid, float pad, int64_t base, int64_t gs,
-                             int bits, float l, float iv, float tp, uint8_t z, uint32_t key,
-                             uint8_t *gout) {
-    uint8_t q[CHUNK];
-    /* the pairs' hashes, read as 16-bit halves: element 2m's half is the low one on the
-     * little-endian hosts this file assumes (x86-64, aarch64) */
-    union {
-        uint32_t w[CHUNK / 2];
-        uint16_t half[CHUNK];
-    } noise;
-    for (int64_t c0 = 0; c0 < gs; c0 += CHUNK) {
-        int64_t i0 = base + c0;
-        int64_t len = gs - c0 < CHUNK ? gs - c0 : CHUNK;
-        int64_t real = valid - c0 < len ? (valid - c0 > 0 ? valid - c0 : 0) : len;
-        const float *pc = p + c0;
-        pair_hashes((uint64_t)i0 >> 1, len / 2, key, noise.w);
-        const uint16_t *u16 = noise.half;
-        if (z) /* a constant zk in each loop: the other has no zero test */
-            for (int64_t j = 0; j < real; j++)
-                q[j] = code_of(pc[j], (float)u16[j] * NOISE_UNIT, l, iv, tp, 1);
-        else
-            for (int64_t j = 0; j < real; j++)
-                q[j] = code_of(pc[j], (float)u16[j] * NOISE_UNIT, l, iv, tp, 0);
-        for (int64_t j = real; j < len; j++)
-            q[j] = code_of(pad, (float)u16[j] * NOISE_UNIT, l, iv, tp, z);
-        uint8_t *out = gout + c0 * bits / 8;
-        if (bits == 8) {
-            memcpy(out, q, len);
-        } else if (bits == 4) {
-            for (int64_t b = 0; b < len / 2; b++) out[b] = q[2 * b] | (q[2 * b + 1] << 4);
-        } else if (bits == 2) {
-            for (int64_t b = 0; b < len / 4; b++)
-                out[b] = q[4 * b] | (q[4 * b + 1] << 2) | (q[4 * b + 2] << 4) |
-                         (q[4 * b + 3] << 6);
-        } else if (bits == 1) {
-            for (int64_t b = 0; b < len / 8; b++) {
-                uint8_t byte = 0;
-                for (int k = 0; k < 8; k++) byte |= (uint8_t)(q[8 * b + k] << k);
-                out[b] = byte;
-            }
-        } else { /* 3, 5, 6, 7 bits: 8 codes -> one word -> its bits low bytes */
-            pack_bytes(q, len, bits, out);
-        }
-    }
-}
-
-/* pack_span of m consecutive groups at once (m * gs <= CHUNK): p[0..valid) their values
- * (the rest pad), the groups' own l, iv, tp and z; one hash loop and one pack loop for all
- * of them (per group, those loops' set-up was a third of quant's and division's packing
- * at 256 values a group). The codes of group k at out + k * gs * bits / 8, as pack_span
- * writes them. */
+/* Stochastic rounding and packing of m consecutive groups of gs values at once (m * gs <=
+ * CHUNK), the first at element index base (even: groups hold a multiple of 8): p[0..valid)
+ * their values, pad the value of the elements past them (the tail group of the padded
+ * array), each group with its own lo l, inv iv (1 / step, 0 for a zero step), top tp and
+ * zero-kept flag z; see code_of (p's values and pad lie in their group's range: the
+ * callers' l is the min of the very values they pass, pad the last of them), and
+ * pair_hashes for the noise. One hash loop and one pack
+ * loop for all of them (per group, those loops' set-up was a third of quant's and
+ * division's packing at 256 values a group). A little-endian bit stream of bits-bit codes
+ * (1..8 bits): 8 codes fill bits bytes, code k at bit bits * k; group k's codes at out + k *
+ * gs * bits / 8. */
 #pragma GCC diagnostic push /* noise: pair_hashes writes its len / 2 words, which GCC */
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized" /* does not follow into the loops */
 static inline void pack_groups(const float *p, int64_t valid, float pad, int64_t base, int64_t gs,
@@ -505,6 +457,18 @@ static inline void pack_groups(const float *p, int64_t valid, float pad, int64_t
     }
 }
 #pragma GCC diagnostic pop
+
+/* pack_groups of one group of any size gs (a chunk of CHUNK values at a time), written to
+ * gout (the group's gs * bits / 8 bytes). */
+static inline void pack_span(const float *p, int64_t valid, float pad, int64_t base, int64_t gs,
+                             int bits, float l, float iv, float tp, uint8_t z, uint32_t key,
+                             uint8_t *gout) {
+    for (int64_t c0 = 0; c0 < gs; c0 += CHUNK) { /* the group a chunk at a time */
+        int64_t len = gs - c0 < CHUNK ? gs - c0 : CHUNK;
+        pack_groups(p + c0, valid - c0, pad, base + c0, len, 1, bits, &l, &iv, &tp, &z, key,
+                    gout + c0 * bits / 8);
+    }
+}
 
 /* Decode one group: its len values (len <= gs) from the group's codes at src into dst;
  * code c is fmaf(c, step, lo) (zero-kept: code 0 is +0.0, code c >= 1 is
