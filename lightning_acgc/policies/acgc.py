@@ -31,7 +31,7 @@ Verify, don't trust: with ``verify=True`` the exact gradient is computed on cali
 steps; its statistics set the settings of the same step's compressed pass, so the logged
 ``grad_error`` = ‖ĝ − g‖/‖g‖ measures the settings in force. κ is the ratio of measured
 to modelled error. With ``quant`` it follows the readings both ways (the geometric mean
-of the last ``history``, aiming the modelled error at √target · e ≈ 0.7e; it falls at
+of the last ``history``, aiming the measured error at √target · e ≈ 0.6e; it falls at
 most 2x per reading, as the model's error differs between widths) and jumps at once to
 the latest reading when a measurement exceeds e; until the first reading, the allocation
 aims at ``first_aim`` (1/16) of the budget, as κ's starting value is a guess. With
@@ -111,9 +111,7 @@ class ACGCPolicy(
         initial_relative_bound: ``bounded`` only: bound relative to each tensor's range
             before the first calibration and for sites never seen.
         group_size: values per group of the codec.
-        target: fraction of e² the modelled error aims at (0.5: measured errors near 0.5e,
-            the model reading high; at 0.35 they sat near 0.4e, the worst layer at 0.7 of
-            its own budget).
+        target: fraction of e² the modelled error aims at (0.35: measured errors near 0.6e).
         layer_floor: modules whose squared gradient is below this share of ‖g‖² are
             held to e only through the global error (default: ``layer_floor``, 1e-12).
         noise_ratio: ρ > 0: compression adds at most ρ² of the batch gradient's sampling
@@ -179,7 +177,7 @@ class ACGCPolicy(
         self.set_probes(probes, probe_scope)
         if not 0 < initial_relative_bound < 1:
             raise ValueError(f"initial_relative_bound={initial_relative_bound!r} must be in (0, 1)")
-        target = target if target is not None else 0.5
+        target = target if target is not None else 0.35
         if not 0 < target <= 1:
             raise ValueError(f"target={target!r} must be in (0, 1]")
         self.gradient_error = None if gradient_error is None else float(gradient_error)
