@@ -313,10 +313,12 @@ static void upsample_span(const float *low, int64_t i0, int64_t len, int64_t h, 
         int64_t seg = w - col < end - i ? w - col : end - i;
         const float *lrow = low + (pl * ho + trow) * wo;
         float *u = up + k0;
-        if (pw && blk == 8 && col % 8 == 0 && seg % 8 == 0) { /* the default block */
+        if (pw && blk == 8 && col % 8 == 0) { /* the default block, from a tile's start */
             const float *ltile = lrow + col / 8;
-            for (int64_t q = 0; q < seg / 8; q++)
+            int64_t whole = seg / 8;
+            for (int64_t q = 0; q < whole; q++)
                 for (int k = 0; k < 8; k++) u[8 * q + k] = ltile[q];
+            for (int64_t t = 8 * whole; t < seg; t++) u[t] = ltile[whole]; /* a short tile */
         } else if (pw) {
             int64_t tile = col / blk, t = 0;
             while (t < seg) {
