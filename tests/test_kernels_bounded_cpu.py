@@ -91,6 +91,41 @@ def test_groups_skip_the_check_only_where_no_value_can_miss(
     assert bool(((y - x).abs() <= 0.01).all())
 
 
+@pytest.mark.parametrize("slack", [1.0001, 1.001, 1.01, 1.05])
+def test_skipped_checks_never_hide_a_violator(
+    monkeypatch: pytest.MonkeyPatch, slack: float
+) -> None:
+    """With the plan's slack just above 1 some groups' steps are too large by a hair,
+    so the reference lists violators in some groups and none in others; across random
+    magnitudes, spreads, bounds, group sizes and dtypes the C path, which skips the check
+    where it can prove no value misses, lists exactly the same ones."""
+    import random
+
+    import lightning_acgc.kernels.bounded.plan as bplan
+
+    monkeypatch.setattr(bplan, "_STEP_SLACK", slack)
+    rng, g = random.Random(int(slack * 1e4)), torch.Generator().manual_seed(int(slack * 1e4))
+    violators = 0
+    for _ in range(150):
+        base = 10 ** rng.uniform(-30, 30) * rng.choice([1, -1, 0])
+        spread = 10 ** rng.uniform(-8, 2) * max(abs(base), 10 ** rng.uniform(-30, 30))
+        x = base + torch.randn(rng.choice([8, 300, 1000]), generator=g) * spread
+        dtype = rng.choice(_DTYPES)
+        x = x.to(dtype) if dtype == torch.float32 else x.clamp(-6e4, 6e4).to(dtype)
+        if not bool(torch.isfinite(x).all()):
+            continue
+        relative = rng.random() < 0.5
+        top = max(float(x.float().abs().max()), 1e-30)
+        eb = 10 ** rng.uniform(-7, -0.5) if relative else 10 ** rng.uniform(-8, 0) * top
+        gs = rng.choice([8, 64, 256])
+        ref = bounded_encode_ref(x, eb, gs, relative)
+        got = bounded_encode_cpu(x, eb, gs, relative)
+        for k in ref:
+            assert torch.equal(_bits(ref[k]), _bits(got[k])), (k, base, spread, dtype, eb, gs)
+        violators += ref["exc_idx"].numel()
+    assert violators > 0  # the bound was at stake somewhere
+
+
 def test_bounded_router_picks_the_cpu_path_and_rejects_bad_input() -> None:
     x = torch.randn(1000).relu()
     payload = bounded_encode(x, 1e-3, 64, backend="cpu")
