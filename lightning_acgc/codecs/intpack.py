@@ -131,7 +131,7 @@ class IntPackCodec:
         fp = (span.dtype, span.device, n, int(sample.sum()))
         ref = self._contents.get(fp)
         source = ref() if ref is not None else None
-        if source is None or source.numel != span.numel():
+        if source is None or source.numel != n:
             return None, fp
         gs = self.config.group_size
         args = (source.payload, gs, source.numel, span.dtype)

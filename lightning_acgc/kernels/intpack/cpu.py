@@ -6,12 +6,10 @@ whole words) instead of a tensor of one byte per bit; and the window mode of
 
 from __future__ import annotations
 
-import array
-
 import torch
 
 from lightning_acgc.kernels.common.cpu_lib import cpu_library, cpu_threads
-from lightning_acgc.kernels.common.small import cpu_scalar
+from lightning_acgc.kernels.common.small import cpu_scalar, cpu_values
 from lightning_acgc.kernels.intpack.window import MAX_WIDTH, code_width
 
 __all__ = ["intpack_decode_cpu", "intpack_encode_cpu", "window_decode_cpu", "window_encode_cpu"]
@@ -89,14 +87,8 @@ def window_encode_cpu(x: torch.Tensor, s: int, w_in: int) -> dict[str, torch.Ten
         if len(_LAST) > 256:
             _LAST.clear()
         _LAST[key] = (mr, mc, kb, width)
-    window = _int64s(s, w_in, mr, mc, kb, h, w)
+    window = cpu_values((s, w_in, mr, mc, kb, h, w), torch.int64)
     return {"bits": bits, "width": cpu_scalar(width, torch.uint8), "window": window}
-
-
-def _int64s(*values: int) -> torch.Tensor:
-    """A 1-d int64 CPU tensor of ``values`` (as :func:`cpu_scalar`, without a list's
-    ``torch.tensor``)."""
-    return torch.frombuffer(array.array("q", values), dtype=torch.int64)
 
 
 def window_decode_cpu(

@@ -66,9 +66,8 @@ void acgc_zero_pattern(const float *x, int64_t n, uint8_t *packed, float *min_po
 
 #if defined(__AVX512F__)
 /* 16 values: lv[0] eight times, then lv[1] eight times, from one load and one permutation
- * (lv[1] read but unused where left <= 8: the callers' buffers have room for it). */
-static inline __m512 tiles16(const float *lv, int64_t left) {
-    (void)left;
+ * (lv[1] read, unused, past a row of 8 at a span's end: the callers' buffers have room). */
+static inline __m512 tiles16(const float *lv) {
     const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     __m128 two = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)lv));
     return _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(two));
@@ -87,7 +86,7 @@ static inline void finish_chunk(float *o, int64_t len, float fmax, const uint8_t
     for (int64_t i = 0; i < len; i += 16) {
         __mmask16 m = lanes16(len - i);
         __m512 v = _mm512_maskz_loadu_ps(m, o + i);
-        if (lv) v = _mm512_add_ps(v, tiles16(lv + i / 8, len - i));
+        if (lv) v = _mm512_add_ps(v, tiles16(lv + i / 8));
         v = _mm512_max_ps(lo, v);
         v = _mm512_min_ps(hi, v);
         v = _mm512_max_ps(v, mp);
@@ -268,9 +267,6 @@ int acgc_division_low(const float *x, int64_t planes, int64_t h, int64_t w, int6
     return status;
 }
 
-/* up[k] = the value of low over flat element i0 + k (k < len) of the (planes, h, w) view:
- * row by row, and along a row tile by tile (pw) or element by element (no division per
- * element or per tile); the callers then add or subtract up in loops that vectorize. */
 /* Whether tile_lows serves the span i0 .. i0 + len: the default block on rows of whole
  * tiles, the span on whole tiles. */
 static inline int tiled_span(int64_t i0, int64_t len, int64_t w, int64_t blk, int pw) {
@@ -278,8 +274,8 @@ static inline int tiled_span(int64_t i0, int64_t len, int64_t w, int64_t blk, in
 }
 
 /* lv[c] = the value of low over the 8 flat elements i0 + 8c .. of the (planes, h, w) view
- * (c < len / 8; tiled_span): one tile each, a counter per tile and per row (the general
- * loop of upsample_span costs 3x as much on rows of a few tiles). The callers add or
+ * (c < len / 8; tiled_span): one tile each, a counter per tile and per row (upsample_span's
+ * loop costs 3x as much on rows of a few tiles). The callers add or
  * subtract it 8 values at a time, with no buffer of the upsampled values. */
 static void tile_lows(const float *low, int64_t i0, int64_t len, int64_t h, int64_t w, int ph,
                       float *lv) {
@@ -296,16 +292,13 @@ static void tile_lows(const float *low, int64_t i0, int64_t len, int64_t h, int6
     }
 }
 
+/* up[k] = the value of low over flat element i0 + k (k < len) of the (planes, h, w) view:
+ * row by row, and along a row tile by tile (pw) or element by element (no division per
+ * element or per tile); the callers then add or subtract up in loops that vectorize
+ * (spans that tiled_span serves take tile_lows instead). */
 static void upsample_span(const float *low, int64_t i0, int64_t len, int64_t h, int64_t w,
                           int64_t blk, int ph, int pw, float *up) {
     int64_t ho = ph ? (h + blk - 1) / blk : h, wo = pw ? (w + blk - 1) / blk : w;
-    if (tiled_span(i0, len, w, blk, pw) && len <= CHUNK) {
-        float lv[CHUNK / 8];
-        tile_lows(low, i0, len, h, w, ph, lv);
-        for (int64_t c = 0; c < len / 8; c++)
-            for (int k = 0; k < 8; k++) up[8 * c + k] = lv[c];
-        return;
-    }
     int64_t i = i0, end = i0 + len, col = i % w, rr = i / w;
     int64_t k0 = 0, row = rr % h, pl = rr / h; /* divisions once, then counters */
     int64_t trow = ph ? row / blk : row, rin = ph ? row % blk : 0;
@@ -346,9 +339,9 @@ static void upsample_span(const float *low, int64_t i0, int64_t len, int64_t h, 
 }
 
 /* r[k] = p[k] - r[k] for k < len (len <= CHUNK; with lv, p[k] - lv[k / 8], see tile_lows),
- * with p's min (*lo), smallest positive
- * value (*min_pos, inf if none) and zero bits (zero_bits' layout, into out) from the same
- * loads where AVX-512 is there (one pass instead of three: a tenth of division's encode). */
+ * with p's min (*lo), smallest positive value (*min_pos, inf if none) and zero bits
+ * (zero_bits' layout, into out) from the same loads where AVX-512 is there (one pass
+ * instead of three: a tenth of division's encode). */
 static inline void subtract_scan(const float *p, float *r, int64_t len, uint8_t *out, float *lo,
                                  float *min_pos, const float *lv) {
 #if defined(__AVX512F__)
@@ -356,7 +349,7 @@ static inline void subtract_scan(const float *p, float *r, int64_t len, uint8_t 
     for (int64_t i = 0; i < len; i += 16) {
         __mmask16 m = lanes16(len - i);
         __m512 v = _mm512_maskz_loadu_ps(m, p + i);
-        __m512 up = lv ? tiles16(lv + i / 8, len - i) : _mm512_maskz_loadu_ps(m, r + i);
+        __m512 up = lv ? tiles16(lv + i / 8) : _mm512_maskz_loadu_ps(m, r + i);
         __m512 d = _mm512_sub_ps(v, up);
         if (m == 0xFFFF) /* a masked store costs several times a plain one on an AMD EPYC */
             _mm512_storeu_ps(r + i, d);

@@ -158,12 +158,85 @@ void acgc_intpack_unpack(const uint8_t *bits, int64_t n, int64_t gs, const int64
 /* ---- intpack's window mode: pooling indices as their offsets from the window corner
  * s*i*win + s*j of output (i, j) in (planes, h, w) (intpack/window.py's format) ---- */
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* window_offsets, window_split, the ranges and the codes of the len values at x (k0 ..
+ * k0 + len of the flat tensor) in one pass, 16 at a time, row by row: int64 offsets from
+ * the corner, their low halves as int32 where in range. One byte per code into q (room for
+ * len + 16: a row's last vector writes past it, which the next row overwrites). Returns 0
+ * where some value is outside its window; q then holds no stream. */
+static int window_codes(const int64_t *restrict x, int64_t k0, int64_t len, int64_t h, int64_t w,
+                        int64_t s, int64_t win, int32_t mr, int32_t mc, int kb,
+                        uint8_t *restrict q, int32_t ranges[4]) {
+    int64_t rem = k0 % (h * w), i = rem / w, j = rem % w, half = win / 2;
+    const __m512i lanes = _mm512_mullo_epi64(_mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0),
+                                             _mm512_set1_epi64(s));
+    const __m512i step = _mm512_set1_epi64(8 * s);
+    const int32_t v = (int32_t)win;
+    /* lanes 0, 2, .., 30 of two vectors: the low halves of 16 int64 offsets */
+    const __m512i low_halves =
+        _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i lo = _mm512_set1_epi64(-2 * win), span = _mm512_set1_epi64(5 * win);
+    const __m512i c1 = _mm512_set1_epi32(-v), c2 = _mm512_setzero_si512();
+    const __m512i c3 = _mm512_set1_epi32(v), c4 = _mm512_set1_epi32(2 * v);
+    const __m512i one = _mm512_set1_epi32(1), vv = _mm512_set1_epi32(v);
+    const __m512i rr0 = _mm512_set1_epi32(-2), rc0 = _mm512_set1_epi32(2 * v - (int32_t)half);
+    const __m512i mrv = _mm512_set1_epi32(mr), mcv = _mm512_set1_epi32(mc);
+    const __m128i kbc = _mm_cvtsi32_si128(kb);
+    __m512i rlo = _mm512_set1_epi32(INT32_MAX), rhi = _mm512_set1_epi32(INT32_MIN);
+    __m512i clo = rlo, chi = rhi;
+    __mmask16 bad = 0;
+    for (int64_t t0 = 0; t0 < len;) {
+        int64_t seg = w - j < len - t0 ? w - j : len - t0;
+        uint64_t start = (uint64_t)(s * win * i + s * j) - (uint64_t)half;
+        __m512i corner = _mm512_add_epi64(_mm512_set1_epi64((int64_t)start), lanes);
+        for (int64_t t = 0; t < seg; t += 16) {
+            __mmask16 m = lanes16(seg - t);
+            const int64_t *p = x + t0 + t;
+            __m512i a = _mm512_sub_epi64(_mm512_maskz_loadu_epi64((__mmask8)m, p), corner);
+            corner = _mm512_add_epi64(corner, step);
+            __mmask8 m_b = (__mmask8)(m >> 8);
+            __m512i b = _mm512_sub_epi64(_mm512_maskz_loadu_epi64(m_b, p + 8), corner);
+            corner = _mm512_add_epi64(corner, step);
+            /* outside [-2 win, 3 win): outside the window (win < 2**28: int32 holds the rest) */
+            __mmask8 out_a = _mm512_mask_cmpge_epu64_mask((__mmask8)m, _mm512_sub_epi64(a, lo), span);
+            __mmask8 out_b = _mm512_mask_cmpge_epu64_mask(m_b, _mm512_sub_epi64(b, lo), span);
+            bad |= (__mmask16)(out_a | (unsigned)out_b << 8);
+            __m512i u = _mm512_permutex2var_epi32(a, low_halves, b);
+            /* rr = floor(u / win) in [-2, 2] by comparisons, rc = u - half - rr * win */
+            __mmask16 k1 = _mm512_cmpge_epi32_mask(u, c1), k2 = _mm512_cmpge_epi32_mask(u, c2);
+            __mmask16 k3 = _mm512_cmpge_epi32_mask(u, c3), k4 = _mm512_cmpge_epi32_mask(u, c4);
+            __m512i rr = _mm512_mask_add_epi32(rr0, k1, rr0, one);
+            __m512i rc = _mm512_add_epi32(u, rc0);
+            rc = _mm512_mask_sub_epi32(rc, k1, rc, vv);
+            rr = _mm512_mask_add_epi32(rr, k2, rr, one);
+            rc = _mm512_mask_sub_epi32(rc, k2, rc, vv);
+            rr = _mm512_mask_add_epi32(rr, k3, rr, one);
+            rc = _mm512_mask_sub_epi32(rc, k3, rc, vv);
+            rr = _mm512_mask_add_epi32(rr, k4, rr, one);
+            rc = _mm512_mask_sub_epi32(rc, k4, rc, vv);
+            rlo = _mm512_mask_min_epi32(rlo, m, rlo, rr);
+            rhi = _mm512_mask_max_epi32(rhi, m, rhi, rr);
+            clo = _mm512_mask_min_epi32(clo, m, clo, rc);
+            chi = _mm512_mask_max_epi32(chi, m, chi, rc);
+            __m512i code = _mm512_or_si512(_mm512_sll_epi32(_mm512_sub_epi32(rr, mrv), kbc),
+                                           _mm512_sub_epi32(rc, mcv));
+            _mm_storeu_si128((__m128i *)(q + t0 + t), _mm512_cvtepi32_epi8(code));
+        }
+        t0 += seg;
+        j = 0;
+        i = i + 1 == h ? 0 : i + 1;
+    }
+    ranges[0] = _mm512_reduce_min_epi32(rlo), ranges[1] = _mm512_reduce_max_epi32(rhi);
+    ranges[2] = _mm512_reduce_min_epi32(clo), ranges[3] = _mm512_reduce_max_epi32(chi);
+    return !bad;
+}
+#else
 /* The offsets of the len values at x (k0 .. k0 + len of the flat tensor, len <= INT_BLOCK)
  * into u: u = x - corner + win / 2 (mod 2**64) in int32 (win < 2**28, which the caller
  * checks); window_split makes rr = floor(u / win) and rc = u - win / 2 - rr * win of it.
  * Walks row by row so that the inner loops have no branch and vectorize. Returns 0 where
  * some u is outside [-2 * win, 3 * win). */
-static __attribute__((unused)) int window_offsets(const int64_t *restrict x, int64_t k0, int64_t len, int64_t h,
+static int window_offsets(const int64_t *restrict x, int64_t k0, int64_t len, int64_t h,
                           int64_t w, int64_t s, int64_t win, int32_t *restrict rc) {
     int64_t rem = k0 % (h * w), i = rem / w, j = rem % w, half = win / 2;
     int64_t lo = -2 * win, hi = 3 * win;
@@ -188,85 +261,12 @@ static __attribute__((unused)) int window_offsets(const int64_t *restrict x, int
 /* The row offset rr = floor(u / win) of u in [-2 * win, 3 * win), counted by comparisons
  * (no division or multiply: rr in [-2, 2], a window of up to 5 rows), and the column
  * offset rc = u - win / 2 - rr * win. */
-static inline __attribute__((unused)) void window_split(int32_t u, int32_t v, int32_t hv, int32_t *rr, int32_t *rc) {
+static inline void window_split(int32_t u, int32_t v, int32_t hv, int32_t *rr, int32_t *rc) {
     int32_t a = u >= -v, b = u >= 0, c = u >= v, e = u >= 2 * v;
     *rr = a + b + c + e - 2;
     *rc = u - hv + 2 * v - (a ? v : 0) - (b ? v : 0) - (c ? v : 0) - (e ? v : 0);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-/* Bits set for the first k of 16 lanes (k <= 16). */
-static inline __mmask16 first_lanes(int64_t k) { return k >= 16 ? 0xFFFF : (__mmask16)((1u << k) - 1u); }
-
-/* window_offsets, window_split, the ranges and the codes of the len values at x (k0 ..
- * k0 + len of the flat tensor) in one pass, 16 at a time, row by row: int64 offsets from
- * the corner, their low halves as int32 where in range. One byte per code into q (room for len + 16: a row's last vector writes
- * past it, which the next row overwrites). Returns 0 where some value is outside its
- * window; q then holds no stream. */
-static int window_codes(const int64_t *restrict x, int64_t k0, int64_t len, int64_t h, int64_t w,
-                        int64_t s, int64_t win, int32_t mr, int32_t mc, int kb,
-                        uint8_t *restrict q, int32_t ranges[4]) {
-    int64_t rem = k0 % (h * w), i = rem / w, j = rem % w, half = win / 2;
-    const __m512i lanes = _mm512_mullo_epi64(_mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0),
-                                             _mm512_set1_epi64(s));
-    const __m512i step = _mm512_set1_epi64(8 * s);
-    const int32_t v = (int32_t)win;
-    /* lanes 0, 2, .., 30 of two vectors: the low halves of 16 int64 offsets */
-    const __m512i low_halves = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-    const __m512i lo = _mm512_set1_epi64(-2 * win), span = _mm512_set1_epi64(5 * win);
-    const __m512i c1 = _mm512_set1_epi32(-v), c2 = _mm512_setzero_si512();
-    const __m512i c3 = _mm512_set1_epi32(v), c4 = _mm512_set1_epi32(2 * v);
-    const __m512i one = _mm512_set1_epi32(1), vv = _mm512_set1_epi32(v);
-    const __m512i rr0 = _mm512_set1_epi32(-2), rc0 = _mm512_set1_epi32(2 * v - (int32_t)half);
-    const __m512i mrv = _mm512_set1_epi32(mr), mcv = _mm512_set1_epi32(mc);
-    const __m128i kbc = _mm_cvtsi32_si128(kb);
-    __m512i rlo = _mm512_set1_epi32(INT32_MAX), rhi = _mm512_set1_epi32(INT32_MIN);
-    __m512i clo = rlo, chi = rhi;
-    __mmask16 bad = 0;
-    for (int64_t t0 = 0; t0 < len;) {
-        int64_t seg = w - j < len - t0 ? w - j : len - t0;
-        __m512i corner = _mm512_add_epi64(
-            _mm512_set1_epi64((int64_t)((uint64_t)(s * win * i + s * j) - (uint64_t)half)), lanes);
-        for (int64_t t = 0; t < seg; t += 16) {
-            __mmask16 m = first_lanes(seg - t);
-            const int64_t *p = x + t0 + t;
-            __m512i a = _mm512_sub_epi64(_mm512_maskz_loadu_epi64((__mmask8)m, p), corner);
-            corner = _mm512_add_epi64(corner, step);
-            __m512i b = _mm512_sub_epi64(_mm512_maskz_loadu_epi64((__mmask8)(m >> 8), p + 8), corner);
-            corner = _mm512_add_epi64(corner, step);
-            /* outside [-2 win, 3 win): outside the window (win < 2**28: int32 holds the rest) */
-            __mmask8 out_a = _mm512_mask_cmpge_epu64_mask((__mmask8)m, _mm512_sub_epi64(a, lo), span);
-            __mmask8 out_b = _mm512_mask_cmpge_epu64_mask((__mmask8)(m >> 8), _mm512_sub_epi64(b, lo), span);
-            bad |= (__mmask16)(out_a | (unsigned)out_b << 8);
-            __m512i u = _mm512_permutex2var_epi32(a, low_halves, b);
-            /* rr = floor(u / win) in [-2, 2] by comparisons, rc = u - half - rr * win */
-            __mmask16 k1 = _mm512_cmpge_epi32_mask(u, c1), k2 = _mm512_cmpge_epi32_mask(u, c2);
-            __mmask16 k3 = _mm512_cmpge_epi32_mask(u, c3), k4 = _mm512_cmpge_epi32_mask(u, c4);
-            __m512i rr = _mm512_mask_add_epi32(rr0, k1, rr0, one);
-            __m512i rc = _mm512_mask_sub_epi32(_mm512_add_epi32(u, rc0), k1, _mm512_add_epi32(u, rc0), vv);
-            rr = _mm512_mask_add_epi32(rr, k2, rr, one);
-            rc = _mm512_mask_sub_epi32(rc, k2, rc, vv);
-            rr = _mm512_mask_add_epi32(rr, k3, rr, one);
-            rc = _mm512_mask_sub_epi32(rc, k3, rc, vv);
-            rr = _mm512_mask_add_epi32(rr, k4, rr, one);
-            rc = _mm512_mask_sub_epi32(rc, k4, rc, vv);
-            rlo = _mm512_mask_min_epi32(rlo, m, rlo, rr);
-            rhi = _mm512_mask_max_epi32(rhi, m, rhi, rr);
-            clo = _mm512_mask_min_epi32(clo, m, clo, rc);
-            chi = _mm512_mask_max_epi32(chi, m, chi, rc);
-            __m512i code = _mm512_or_si512(_mm512_sll_epi32(_mm512_sub_epi32(rr, mrv), kbc),
-                                           _mm512_sub_epi32(rc, mcv));
-            _mm_storeu_si128((__m128i *)(q + t0 + t), _mm512_cvtepi32_epi8(code));
-        }
-        t0 += seg;
-        j = 0;
-        i = i + 1 == h ? 0 : i + 1;
-    }
-    ranges[0] = _mm512_reduce_min_epi32(rlo), ranges[1] = _mm512_reduce_max_epi32(rhi);
-    ranges[2] = _mm512_reduce_min_epi32(clo), ranges[3] = _mm512_reduce_max_epi32(chi);
-    return !bad;
-}
-#else
 /* The portable twin of the AVX-512 window_codes: window_offsets, then window_split. */
 static int window_codes(const int64_t *restrict x, int64_t k0, int64_t len, int64_t h, int64_t w,
                         int64_t s, int64_t win, int32_t mr, int32_t mc, int kb,
@@ -307,7 +307,8 @@ int acgc_window_pack(const int64_t *x, int64_t n, int64_t h, int64_t w, int64_t 
         int64_t i0 = b * INT_BLOCK, len = i0 + INT_BLOCK < n ? INT_BLOCK : n - i0;
         uint8_t q[INT_BLOCK + 16];
         int32_t got[4];
-        ok = window_codes(x + i0, i0, len, h, w, s, win, (int32_t)mr, (int32_t)mc, kb, q, got) && ok;
+        int32_t mr32 = (int32_t)mr, mc32 = (int32_t)mc;
+        ok = window_codes(x + i0, i0, len, h, w, s, win, mr32, mc32, kb, q, got) && ok;
         lo_r = got[0] < lo_r ? got[0] : lo_r;
         hi_r = got[1] > hi_r ? got[1] : hi_r;
         lo_c = got[2] < lo_c ? got[2] : lo_c;

@@ -17,15 +17,6 @@ void acgc_quant_noise(uint64_t base, int64_t n, uint32_t key, float *out) {
     }
 }
 
-/* pack_span of group g of the padded G * gs array (element i >= n has value x[n-1]). */
-static inline void pack_group(const float *x, int64_t n, int64_t gs, int bits, int64_t g,
-                              float l, float iv, float tp, uint8_t z, uint32_t key,
-                              uint8_t *codes) {
-    int64_t i0 = g * gs, valid = n - i0 < gs ? n - i0 : gs;
-    pack_span(x + i0, valid, x[n - 1], i0, gs, bits, l, iv, tp, z, key,
-              codes + g * (gs * bits / 8));
-}
-
 /* Groups a block of the encode handles together: their statistics, then their parameters
  * (16 independent chains of divisions and roundings the core overlaps: one group after the
  * other, each chain waited between two packs, 20% of the encode), then their packs; 16
@@ -66,14 +57,18 @@ int acgc_quant_encode(const float *x, int64_t n, int64_t gs, int bits, int bf16,
             status |= bf16 ? 1 : 2;
             continue;
         }
-        if (gs * BLOCK_GROUPS <= CHUNK) { /* the block's groups in one pack_groups */
-            int64_t i0 = g0 * gs;
-            pack_groups(x + i0, n - i0, x[n - 1], i0, gs, m, bits, out_lo + g0, iv, tp, z, key,
-                        codes + g0 * (gs * bits / 8));
-        } else {
-            for (int k = 0; k < m; k++)
-                pack_group(x, n, gs, bits, g0 + k, out_lo[g0 + k], iv[k], tp[k], z[k], key,
-                           codes);
+        /* as many of the block's groups a pack_groups call as CHUNK holds (all 16 at up
+         * to 256 values a group); groups beyond CHUNK a chunk at a time (pack_span) */
+        int per = gs <= CHUNK ? (int)(CHUNK / gs) : 1;
+        for (int k = 0; k < m; k += per) {
+            int64_t i0 = (g0 + k) * gs;
+            uint8_t *out = codes + (g0 + k) * (gs * bits / 8);
+            if (gs > CHUNK)
+                pack_span(x + i0, n - i0, x[n - 1], i0, gs, bits, out_lo[g0 + k], iv[k], tp[k],
+                          z[k], key, out);
+            else
+                pack_groups(x + i0, n - i0, x[n - 1], i0, gs, m - k < per ? m - k : per, bits,
+                            out_lo + g0 + k, iv + k, tp + k, z + k, key, out);
         }
     }
     return status & 2 ? 2 : status;
