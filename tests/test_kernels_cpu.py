@@ -186,6 +186,9 @@ def _division_shapes() -> dict[str, torch.Tensor]:
         "4d_whole_tiles": torch.randn(2, 3, 16, 24, generator=g).relu(),
         "4d_short_tile_rows": torch.randn(2, 3, 13, 16, generator=g),
         "2d_whole_tiles": torch.randn(40, 72, generator=g),
+        # without pooled rows, blocks read the averages in place, all but the last
+        "1d_whole_tiles": torch.randn(3 * 4096 + 24, generator=g).relu(),
+        "2d_rows_across_blocks": torch.randn(130, 64, generator=g),
         "4d_large": torch.randn(4, 16, 40, 48, generator=g).relu(),
     }
 

@@ -273,16 +273,20 @@ static inline int tiled_span(int64_t i0, int64_t len, int64_t w, int64_t blk, in
     return pw && blk == 8 && w % 8 == 0 && i0 % 8 == 0 && len % 8 == 0;
 }
 
-/* lv[c] = the value of low over the 8 flat elements i0 + 8c .. of the (planes, h, w) view
- * (c < len / 8; tiled_span): one tile each, a counter per tile and per row (upsample_span's
- * loop costs 3x as much on rows of a few tiles). The callers add or
- * subtract it 8 values at a time, with no buffer of the upsampled values. */
-static void tile_lows(const float *low, int64_t i0, int64_t len, int64_t h, int64_t w, int ph,
-                      float *lv) {
-    int64_t ho = ph ? (h + 7) / 8 : h, wo = w / 8;
+/* The values of low over the 8 flat elements i0 + 8c .. of the (planes, h, w) view, for
+ * c < len / 8 (tiled_span): without pooled rows, low's tiles lie in the same order as x's,
+ * so the span's are low + i0 / 8 itself (a copy into lv only for the span that reaches
+ * low's end: tiles16 reads one value past a span; a copy per tile took a tenth of a 1-D
+ * tensor's encode and a quarter of its decode); with pooled rows, copied into lv, a counter
+ * per tile and per row (upsample_span's loop costs 3x as much on rows of a few tiles). The
+ * callers add or subtract them 8 values at a time, with no buffer of the upsampled values. */
+static const float *tile_lows(const float *low, int64_t i0, int64_t len, int64_t h, int64_t w,
+                              int ph, float *lv) {
+    int64_t ho = ph ? (h + 7) / 8 : h, wo = w / 8, n = h * w;
     int64_t c = i0 / 8, cend = (i0 + len) / 8, t = c % wo, rows = c / wo;
+    if (!ph && (i0 + len) % n != 0) return low + c; /* not the last row of a plane */
     int64_t row = rows % h, pl = rows / h, base = (pl * ho + (ph ? row / 8 : row)) * wo;
-    for (float *u = lv; c < cend; c++, u++) {
+    for (float *u = lv; c < cend; c++, u++) { /* a counter per tile and per row */
         *u = low[base + t];
         if (++t == wo) {
             t = 0;
@@ -290,6 +294,7 @@ static void tile_lows(const float *low, int64_t i0, int64_t len, int64_t h, int6
             base = (pl * ho + (ph ? row / 8 : row)) * wo;
         }
     }
+    return lv;
 }
 
 /* up[k] = the value of low over flat element i0 + k (k < len) of the (planes, h, w) view:
@@ -401,12 +406,12 @@ int acgc_division_residual(const float *x, int64_t planes, int64_t h, int64_t w,
         const float *p = x + i0;
         float r[CHUNK];
         float xl, xp, lv[CHUNK / 8 + 1];
-        int tiled = tiled_span(i0, len, w, blk, pw);
-        if (tiled)
-            tile_lows(low, i0, len, h, w, ph, lv);
-        else
+        if (tiled_span(i0, len, w, blk, pw)) { /* a call each: each inlined for its case */
+            subtract_scan(p, r, len, zbits + i0 / 8, &xl, &xp, tile_lows(low, i0, len, h, w, ph, lv));
+        } else {
             upsample_span(low, i0, len, h, w, blk, ph, pw, r);
-        subtract_scan(p, r, len, zbits + i0 / 8, &xl, &xp, tiled ? lv : 0);
+            subtract_scan(p, r, len, zbits + i0 / 8, &xl, &xp, 0);
+        }
         mn = xl < mn ? xl : mn;
         mp = xp < mp ? xp : mp;
         /* x is finite (acgc_division_low declined NaN/inf, their averages not being
@@ -462,8 +467,7 @@ int acgc_division_decode(const uint8_t *codes, int64_t planes, int64_t h, int64_
         const uint8_t *zm = zmask ? zmask + i0 / 8 : 0;
         if (tiled_span(i0, len, w, blk, pw)) { /* the averages added as finish_chunk reads o */
             float lv[CHUNK / 8 + 1];
-            tile_lows(low, i0, len, h, w, ph, lv);
-            finish_chunk(o, len, fmax, zm, min_pos, lv);
+            finish_chunk(o, len, fmax, zm, min_pos, tile_lows(low, i0, len, h, w, ph, lv));
             continue;
         }
         float up[CHUNK];
