@@ -190,6 +190,13 @@ def _division_shapes() -> dict[str, torch.Tensor]:
         "1d_whole_tiles": torch.randn(3 * 4096 + 24, generator=g).relu(),
         "2d_rows_across_blocks": torch.randn(130, 64, generator=g),
         "4d_large": torch.randn(4, 16, 40, 48, generator=g).relu(),
+        # rows of a few tiles and a short one (ImageNet ResNets' 28x28 and 7x7 maps), and
+        # rows of more than 8 tiles (the averages 8 tiles at a time) and of more than 16
+        # (the upsample past one register of tiles)
+        "4d_resnet_maps": torch.randn(2, 4, 28, 28, generator=g).relu(),
+        "4d_small_maps": torch.randn(3, 5, 7, 7, generator=g),
+        "4d_wide_short_tile": torch.randn(2, 2, 11, 75, generator=g).relu(),
+        "4d_wider_than_16_tiles": torch.randn(1, 2, 9, 133, generator=g),
     }
 
 

@@ -221,6 +221,66 @@ static inline int band_means(const float *xp, int64_t h, int64_t w, int64_t blk,
     return status;
 }
 
+#if defined(__AVX2__)
+/* r[0..8) transposed in place: lane k of r[i] becomes lane i of r[k]. */
+static inline void transpose8x8(__m256 *r) {
+    __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20), r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+    r[1] = _mm256_permute2f128_ps(u1, u5, 0x20), r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20), r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+    r[3] = _mm256_permute2f128_ps(u3, u7, 0x20), r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+/* Tile row j of a plane xp of h rows of w values pooled 8x8 (the default block on both
+ * axes) into o[0..wo) (and o16), as acgc_division_low's general loop computes it: each
+ * tile's rows loaded side by side and transposed, so that each row's tile sum runs down
+ * the lanes in the reference's order (0 + x0 + x1 + ...; a short tile's first values
+ * only), then 8 tiles' row averages transposed back, summed over the tile row's rows in
+ * order (8 tiles at once). For maps whose rows are not whole tiles (28x28, 14x14, 7x7):
+ * the general loop's rows of a few tiles ran 4x slower a value than the bands. */
+static inline int tile_row_means8(const float *xp, int64_t h, int64_t w, int64_t j, int bf16,
+                                  float *o, uint16_t *o16) {
+    int64_t wo = (w + 7) / 8, rows = h - 8 * j < 8 ? h - 8 * j : 8;
+    const float *base = xp + 8 * j * w;
+    const __m256 zero = _mm256_setzero_ps();
+    for (int64_t t0 = 0; t0 < wo; t0 += 8) {
+        __m256 a[8];
+        for (int tt = 0; tt < 8; tt++) {
+            int64_t t = t0 + tt, cnt = w - 8 * t < 8 ? w - 8 * t : 8;
+            if (t >= wo) {
+                a[tt] = zero;
+                continue;
+            }
+            __m256 v[8];
+            __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)cnt),
+                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            for (int r = 0; r < 8; r++) {
+                const float *p = base + r * w + 8 * t;
+                v[r] = r >= rows ? zero : cnt == 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, keep);
+            }
+            transpose8x8(v);
+            __m256 sum = _mm256_add_ps(zero, v[0]);
+            for (int k = 1; k < cnt; k++) sum = _mm256_add_ps(sum, v[k]);
+            a[tt] = _mm256_div_ps(sum, _mm256_set1_ps((float)cnt));
+        }
+        transpose8x8(a);
+        __m256 col = _mm256_add_ps(zero, a[0]);
+        for (int r = 1; r < rows; r++) col = _mm256_add_ps(col, a[r]);
+        float lanes[8];
+        _mm256_storeu_ps(lanes, col);
+        memcpy(o + t0, lanes, (size_t)(wo - t0 < 8 ? wo - t0 : 8) * 4);
+    }
+    return finish_means(o, wo, rows, bf16, o16);
+}
+#endif
+
 /* The block averages into low, (planes, ho, wo) float32 (ho = ceil(h / blk) if ph, else
  * h; wo likewise), in the reference's order: along w first (each tile summed in order from
  * 0, divided by its count), then along h over those averages; rounded to bfloat16 values
@@ -244,6 +304,15 @@ int acgc_division_low(const float *x, int64_t planes, int64_t h, int64_t w, int6
         }
         return status;
     }
+#if defined(__AVX2__)
+    if (ph && pw && blk == 8) { /* rows of a few tiles and a short one: tile row by tile row */
+#pragma omp parallel for schedule(static) num_threads(THREADS(planes * h * w)) reduction(| : status)
+        for (int64_t it = 0; it < planes * ho; it++)
+            status |= tile_row_means8(x + it / ho * h * w, h, w, it % ho, bf16, low + it * wo,
+                                      low16 ? low16 + it * wo : 0);
+        return status;
+    }
+#endif
     int64_t chunks = (wo + LOW_TILES - 1) / LOW_TILES, items = planes * ho * chunks;
 #pragma omp parallel for schedule(static) num_threads(THREADS(planes * h * w)) reduction(| : status)
     for (int64_t it = 0; it < items; it++) {
@@ -311,6 +380,22 @@ static void upsample_span(const float *low, int64_t i0, int64_t len, int64_t h, 
         int64_t seg = w - col < end - i ? w - col : end - i;
         const float *lrow = low + (pl * ho + trow) * wo;
         float *u = up + k0;
+#if defined(__AVX512F__)
+        if (pw && blk == 8 && col % 8 + seg <= 128) { /* the default block, a row of <= 16
+            tiles (28x28, 14x14, 7x7 maps): 16 values a step, each lane's tile picked from
+            the row's tiles in one register (the loops below ran a few values each) */
+            __m512 tiles = _mm512_maskz_loadu_ps(lanes16((col % 8 + seg + 7) / 8), lrow + col / 8);
+            __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            for (int64_t q = 0; q < seg; q += 16) {
+                __m512i at = _mm512_add_epi32(lane, _mm512_set1_epi32((int)(col % 8 + q)));
+                __m512 v = _mm512_permutexvar_ps(_mm512_srli_epi32(at, 3), tiles);
+                if (seg - q >= 16)
+                    _mm512_storeu_ps(u + q, v);
+                else
+                    _mm512_mask_storeu_ps(u + q, lanes16(seg - q), v);
+            }
+        } else
+#endif
         if (pw && blk == 8 && col % 8 == 0) { /* the default block, from a tile's start */
             const float *ltile = lrow + col / 8;
             int64_t whole = seg / 8;
