@@ -1,7 +1,8 @@
-"""The compiled CPU kernels built for a CPU without AVX-512 (``-march=x86-64-v2``): the
-paths the build machine's own flags skip (the C kernels' AVX-512 VBMI byte permutations of
-the 3/5/6/7-bit streams and its AVX-512 statistics and zero bits have portable twins)
-give the reference's bytes too."""
+"""The compiled CPU kernels built for a CPU without AVX-512 (``-march=x86-64-v2``, and
+``-march=haswell`` where the host runs AVX2): the paths the build machine's own flags skip
+(the C kernels' AVX-512 VBMI byte permutations of the 3/5/6/7-bit streams and its AVX-512
+statistics and zero bits have portable twins; division's AVX2 block averages of rows that
+are not whole tiles run without AVX-512 on an AVX2 CPU) give the reference's bytes too."""
 
 from __future__ import annotations
 
@@ -21,12 +22,28 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def portable_library(tmp_path_factory):
-    """The kernels compiled with ``-march=x86-64-v2`` into a fresh cache, in use by the
+def _host_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(ln.startswith("flags") and flag in ln.split() for ln in f)
+    except OSError:
+        return False
+
+
+_TARGETS = [
+    "x86-64-v2",
+    pytest.param(
+        "haswell", marks=pytest.mark.skipif(not _host_has("avx2"), reason="needs an AVX2 host")
+    ),
+]
+
+
+@pytest.fixture(scope="module", params=_TARGETS)
+def portable_library(request, tmp_path_factory):
+    """The kernels compiled with ``-march=<target>`` into a fresh cache, in use by the
     quant, bounded, division and intpack CPU paths for the tests of this module."""
     patch = pytest.MonkeyPatch()
-    flags = [f if f != "-march=native" else "-march=x86-64-v2" for f in cpu_lib._FLAGS]
+    flags = [f if f != "-march=native" else f"-march={request.param}" for f in cpu_lib._FLAGS]
     assert flags != cpu_lib._FLAGS  # the native build names -march=native
     patch.setattr(cpu_lib, "_FLAGS", flags)
     patch.setenv("LIGHTNING_ACGC_CACHE", str(tmp_path_factory.mktemp("portable")))
@@ -79,7 +96,9 @@ def test_portable_bounded_matches_reference(portable_library) -> None:
         assert ref[k].dtype == got[k].dtype and torch.equal(a, b), k
 
 
-@pytest.mark.parametrize("shape", [(70001,), (2, 16, 40, 48), (3, 5, 13, 22)], ids=str)
+@pytest.mark.parametrize(
+    "shape", [(70001,), (2, 16, 40, 48), (3, 5, 13, 22), (2, 4, 28, 28), (1, 2, 9, 75)], ids=str
+)
 def test_portable_division_matches_reference(portable_library, shape) -> None:
     from lightning_acgc.kernels.division import division_decode_ref, division_encode_ref
     from lightning_acgc.kernels.division.cpu import _decode_fused, _encode_fused
