@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CLONE_BAR", "codec_bars", "codecs_table"]
+__all__ = ["CLONE_BAR", "backends_table", "codec_bars", "codecs_table"]
 
 CLONE_BAR = 4.0  # encode and decode each at most this multiple of x.clone() (issue 14)
 
@@ -61,3 +61,34 @@ def codec_bars(codecs: dict[str, Any] | None) -> tuple[list[str], list[str]]:
                 "to a third between runs)"
             )
     return met, short
+
+
+BACKENDS = {  # benchmarks/cpu_backends.py's implementations, as README names them
+    "reference": "pure-torch reference (the specification), eager",
+    "torch_ops": "the same arithmetic as one function of torch ops, eager",
+    "inductor": "that function through `torch.compile` (Inductor's CPU code)",
+    "numba": "a `numba.njit(parallel=True)` loop",
+    "c": "the C/OpenMP library (what the codecs use)",
+}
+
+
+def backends_table(line: dict[str, Any] | None) -> list[str]:
+    """One row per implementation of the 2-bit encode: whether its codes are the
+    reference's, its time as a multiple of ``x.clone()`` (median, min) and its GB/s."""
+    if line is None:
+        return ["(cpu_backends: not run)"]
+    out = [
+        f"{line['job']}; {line['tensor_mb']:g} MB, {line['threads']} thread(s), "
+        f"{line['rounds']} interleaved rounds, clone {line['clone_gbps']:.1f} GB/s; numba: "
+        f"{line['numba']}.",
+        "",
+        "| implementation | codes = reference's | × clone | GB/s |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, r in line["implementations"].items():
+        same = "yes" if r["matches_reference"] else "no"
+        out.append(
+            f"| {BACKENDS.get(name, name)} | {same} | {r['x_clone']:.2f} "
+            f"({r['x_clone_min']:.2f}) | {r['gbps']:.2f} |"
+        )
+    return out

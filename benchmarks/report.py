@@ -30,7 +30,7 @@ from typing import Any
 
 from benchmarks import _plots
 from benchmarks._acgc_tables import acgc_vs_fixed_bars, acgc_vs_fixed_table
-from benchmarks._codec_tables import codec_bars, codecs_table
+from benchmarks._codec_tables import backends_table, codec_bars, codecs_table
 from benchmarks._gpu_tables import gpu_section, is_gpu_line
 from benchmarks._tables import (
     accuracy_table,
@@ -49,7 +49,16 @@ README_PATH = ROOT / "README.md"
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ROOT / "docs"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
-BENCHMARKS = ("memory", "speed", "accuracy", "batch", "tradeoff", "codecs", "acgc_vs_fixed")
+BENCHMARKS = (
+    "memory",
+    "speed",
+    "accuracy",
+    "batch",
+    "tradeoff",
+    "codecs",
+    "cpu_backends",
+    "acgc_vs_fixed",
+)
 MODES = ("quick", "full")
 
 Results = dict[str, dict[str, Any]]
@@ -228,6 +237,12 @@ def render(results: Path = RESULTS, mode: str = "auto") -> str:
         "Codec speed: encode and decode as a multiple of `x.clone()` of the same tensor",
         picked.get("codecs"),
         codecs_table(picked.get("codecs")),
+    )
+    lines += _section(
+        "The CPU codecs' technology: one 2-bit quant encode written each way, side by side "
+        "(`benchmarks/cpu_backends.py`)",
+        picked.get("cpu_backends"),
+        backends_table(picked.get("cpu_backends")),
     )
     met, short = bars(picked)
     codec_met, codec_short = codec_bars(picked.get("codecs"))

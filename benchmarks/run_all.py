@@ -33,7 +33,16 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-BENCHMARKS = ("memory", "speed", "accuracy", "batch", "tradeoff", "codecs", "acgc_vs_fixed")
+BENCHMARKS = (
+    "memory",
+    "speed",
+    "accuracy",
+    "batch",
+    "tradeoff",
+    "codecs",
+    "cpu_backends",
+    "acgc_vs_fixed",
+)
 # Run only when asked (``--only kernels``): the Triton kernels' GB/s mean something on a GPU.
 EXTRA = ("kernels",)
 
