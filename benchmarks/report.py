@@ -43,22 +43,15 @@ from benchmarks._tables import (
     peak_notes,
     tradeoff_table,
 )
+from benchmarks.run_all import BENCHMARKS as RUN_BY_DEFAULT
 
 ROOT = Path(__file__).resolve().parent.parent
 README_PATH = ROOT / "README.md"
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ROOT / "docs"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
-BENCHMARKS = (
-    "memory",
-    "speed",
-    "accuracy",
-    "batch",
-    "tradeoff",
-    "codecs",
-    "cpu_backends",
-    "acgc_vs_fixed",
-)
+# the benchmarks whose lines README is made from: the ones run_all runs by default
+BENCHMARKS = RUN_BY_DEFAULT
 MODES = ("quick", "full")
 
 Results = dict[str, dict[str, Any]]
