@@ -7,7 +7,19 @@ from torch import nn
 
 from lightning_acgc.policies.base import Reduce
 
-__all__ = ["module_norms", "per_module_sq", "reduce_tables"]
+__all__ = ["module_norms", "per_module_sq", "per_module_sq_diff", "reduce_tables", "squared_norm"]
+
+
+def squared_norm(t: torch.Tensor) -> float:
+    """‖t‖², accumulated in float64 without a float64 copy of ``t`` (the copies and their
+    squares took a quarter of a BERT-base calibration step; a float32 accumulation of
+    30M values was 0.3% off).
+
+    Example:
+        >>> squared_norm(torch.tensor([3.0, 4.0]))
+        25.0
+    """
+    return float(torch.linalg.vector_norm(t.detach(), dtype=torch.float64)) ** 2
 
 
 def per_module_sq(grads: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -15,7 +27,30 @@ def per_module_sq(grads: dict[str, torch.Tensor]) -> dict[str, float]:
     out: dict[str, float] = {}
     for name, g in grads.items():
         module = name.rpartition(".")[0]
-        out[module] = out.get(module, 0.0) + float(g.detach().double().square().sum())
+        out[module] = out.get(module, 0.0) + squared_norm(g)
+    return out
+
+
+def per_module_sq_diff(
+    grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]
+) -> dict[str, float]:
+    """‖a − b‖² by module over the parameters both tables hold, one difference at a time
+    (a table of every difference held a second copy of the model's gradients, and took a
+    tenth of a BERT-base probe). Each difference is taken in ``grads``' dtype: exact
+    where the two are within 2x of each other (Sterbenz), within half an ulp of itself
+    elsewhere.
+
+    Example:
+        >>> a = {"fc.weight": torch.tensor([1.0, 2.0]), "fc.bias": torch.tensor([1.0])}
+        >>> per_module_sq_diff(a, {"fc.weight": torch.tensor([1.0, 0.0])})
+        {'fc': 4.0}
+    """
+    out: dict[str, float] = {}
+    for name, ref in reference.items():
+        if name in grads:
+            module = name.rpartition(".")[0]
+            diff = grads[name].detach() - ref.detach().to(grads[name].dtype)
+            out[module] = out.get(module, 0.0) + squared_norm(diff)
     return out
 
 
@@ -50,12 +85,11 @@ def module_norms(
         err_sq.setdefault(module, 0.0)
         if p.grad is None:
             continue
-        got = p.grad.detach().double()
+        got = p.grad.detach()
         ref = exact.get(name) if exact is not None else None
         if ref is None:
-            g_sq[module] += float(got.square().sum())
+            g_sq[module] += squared_norm(got)
         else:
-            ref = ref.double()
-            g_sq[module] += float(ref.square().sum())
-            err_sq[module] += float((got - ref).square().sum())
+            g_sq[module] += squared_norm(ref)
+            err_sq[module] += squared_norm(got - ref.to(got.dtype))  # as per_module_sq_diff
     return g_sq, err_sq

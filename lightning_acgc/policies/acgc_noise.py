@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from lightning_acgc.policies._acgc_stats import per_module_sq, reduce_tables
+from lightning_acgc.policies._acgc_stats import per_module_sq_diff, reduce_tables
 from lightning_acgc.policies.base import Reduce
 
 __all__ = ["NoiseBudget", "check_budget_options"]
@@ -101,8 +101,7 @@ class NoiseBudget:
         """The exact gradients (by parameter name) of the two halves of this step's batch,
         each the loss's mean over its half; call before :meth:`set_exact_gradients`."""
         self._calib_s += self._lap()
-        diff = {k: first[k].double() - second[k].double() for k in first.keys() & second.keys()}
-        (table,) = reduce_tables(reduce, per_module_sq(diff))
+        (table,) = reduce_tables(reduce, per_module_sq_diff(first, second))
         self._pending_noise = table
         self._calib_s += self._lap()
 

@@ -58,7 +58,7 @@ import torch
 from lightning_acgc.codecs._checks import check_choice
 from lightning_acgc.codecs.base import Codec
 from lightning_acgc.engine.sites import SiteInfo
-from lightning_acgc.policies._acgc_stats import per_module_sq
+from lightning_acgc.policies._acgc_stats import per_module_sq_diff
 from lightning_acgc.policies._schedule import check_int
 from lightning_acgc.policies.acgc_allocation import Sensitivity, average
 from lightning_acgc.policies.bit_allocation import LADDER
@@ -176,7 +176,7 @@ class SensitivityProbes:
             return
         sens = average({k: self._sens[k] for k in probed if k in self._sens})
         probed = {k: v for k, v in probed.items() if k in sens and sens[k][2] > 0}
-        err = per_module_sq({n: grads[n] - g for n, g in self._exact.items() if n in grads})
+        err = per_module_sq_diff(grads, self._exact)
         factors: dict[str, dict[str, float]] = {k: {} for k in probed}
         for module, e in err.items():
             if probed and e > 0 and math.isfinite(e):
