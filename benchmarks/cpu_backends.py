@@ -152,9 +152,8 @@ def measure(size_mb: float, rounds: int, seed: int = 7) -> dict[str, Any]:
     xg = torch.randn(n, generator=gen).view(-1, GROUP)
     impls = implementations(seed)
     expected = impls["reference"](xg)
+    # also the warm-up: Inductor and numba compile on their first call
     matches = {name: bool(torch.equal(fn(xg), expected)) for name, fn in impls.items()}
-    for fn in impls.values():  # warm-up (Inductor and numba compile on first call)
-        fn(xg)
     times: dict[str, list[float]] = {name: [] for name in ("clone", *impls)}
     jobs = {"clone": xg.clone, **{name: (lambda f=fn: f(xg)) for name, fn in impls.items()}}
     order = list(jobs)

@@ -259,8 +259,10 @@ static inline int tile_row_means8(const float *xp, int64_t h, int64_t w, int64_t
                 continue;
             }
             __m256 v[8];
-            __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)cnt),
-                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            __m256i keep = _mm256_set1_epi32(-1); /* a short tile (the row's last): its values */
+            if (cnt < 8)
+                keep = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)cnt),
+                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
             for (int r = 0; r < 8; r++) {
                 const float *p = base + r * w + 8 * t;
                 v[r] = r >= rows ? zero : cnt == 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, keep);
