@@ -72,13 +72,17 @@ def reduce_tables(reduce: Reduce | None, *tables: dict[str, float]) -> list[dict
 
 
 def module_norms(
-    model: nn.Module, exact: dict[str, torch.Tensor] | None
+    model: nn.Module,
+    exact: dict[str, torch.Tensor] | None,
+    exact_sq: dict[str, float] | None = None,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Per module owning parameters: ‖g_m‖² of the reference gradient (the exact one,
     else the compressed one) and ‖ĝ_m − g_m‖² (0 without an exact gradient). Every
-    module of ``model`` with parameters has an entry, so the keys match across ranks."""
+    module of ``model`` with parameters has an entry, so the keys match across ranks.
+    ``exact_sq``: ``per_module_sq(exact)`` where the caller has it (not computed twice)."""
     g_sq: dict[str, float] = {}
     err_sq: dict[str, float] = {}
+    compared: set[str] = set()  # modules with a parameter held against the exact gradient
     for name, p in model.named_parameters():
         module = name.rpartition(".")[0]
         g_sq.setdefault(module, 0.0)
@@ -89,7 +93,11 @@ def module_norms(
         ref = exact.get(name) if exact is not None else None
         if ref is None:
             g_sq[module] += squared_norm(got)
-        else:
+            continue
+        if exact_sq is None:
             g_sq[module] += squared_norm(ref)
-            err_sq[module] += squared_norm(got - ref.to(got.dtype))  # as per_module_sq_diff
+        compared.add(module)
+        err_sq[module] += squared_norm(got - ref.to(got.dtype))  # as per_module_sq_diff
+    for module in compared if exact_sq is not None else ():
+        g_sq[module] += exact_sq.get(module, 0.0)
     return g_sq, err_sq
