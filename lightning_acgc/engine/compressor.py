@@ -24,6 +24,7 @@ from lightning_acgc.engine.layout import compact
 from lightning_acgc.engine.ledger import Ledger, storage_ref
 from lightning_acgc.engine.meter import CompressionStats, SiteRecord
 from lightning_acgc.engine.policy import Policy
+from lightning_acgc.engine.recompute import Recomputing
 from lightning_acgc.engine.saved import Saved
 from lightning_acgc.engine.settings import EngineSettings
 from lightning_acgc.engine.sites import ModuleTracker, SiteInfo, is_leaf_parameter
@@ -51,7 +52,7 @@ def _mix(*values: int) -> int:
     return h & 0x7FFF_FFFF_FFFF_FFFF
 
 
-class ActivationCompressor:
+class ActivationCompressor(Recomputing):
     """Packs saved activations with a policy's codecs and counts the bytes.
 
     Used through :func:`lightning_acgc.compress_activations` from plain PyTorch, or by
@@ -117,7 +118,7 @@ class ActivationCompressor:
         # the tensors saved last and what the engine returned for them (None: the tensor
         # itself), oldest first: a reduction result saved next may need them
         # (lightning_acgc.engine.exact)
-        self._recent: collections.deque = collections.deque(maxlen=3)
+        self._recent: collections.deque = collections.deque(maxlen=6)
         self._site_hash: dict[str, int] = {}
         self._warned: set[str] = set()
         self._paused = 0
@@ -286,27 +287,8 @@ class ActivationCompressor:
 
     def _pack(self, t: torch.Tensor) -> Any:
         held = self._pack_one(t)
-        # weakly: a graph freed early releases its holders at once (the ledger counts them)
-        holder = weakref.ref(held) if isinstance(held, Saved) else None
-        self._recent.append((weakref.ref(t), holder))
+        self._remember(t, held)  # weakly: a graph freed early releases its holders at once
         return held
-
-    def _comparing(self, site: SiteInfo, t: torch.Tensor, key: tuple, ref: Any, raw: int) -> Any:
-        """A reduction result its backward compares with its inputs (amax, ...; see
-        :mod:`lightning_acgc.engine.exact`): recomputed at unpack from what its inputs'
-        holders unpack (nothing stored), or kept as it is where they are not found."""
-        recent = [(tensor(), holder) for tensor, holder in self._recent]
-        plan = exact.recompute_plan(t, [tensor for tensor, _ in recent])
-        sources = []
-        for tensor, holder in recent[len(recent) - plan[1] :] if plan else ():
-            sources.append(tensor if holder is None else holder())
-        if plan is None or any(s is None for s in sources):
-            return self._keep(site, t, key, ref, raw, "compared by its backward")
-        saved = Saved(None, None, site.key, "recomputed", sources=tuple(sources), recompute=plan[0])
-        self._dedup[key] = (ref, weakref.ref(saved))
-        named = [s.site for s in sources if isinstance(s, Saved)]
-        self._record(site, t, "recomputed", f"from {', '.join(named) or 'its inputs'}", raw, 0)
-        return saved
 
     def _pack_one(self, t: torch.Tensor) -> Any:
         if self._paused or t.layout != torch.strided or t.device.type == "meta":
@@ -336,6 +318,10 @@ class ActivationCompressor:
             return self._keep(site, t, key, ref, raw, "control")  # identity: nothing compressed
         if t.grad_fn is not None and type(t.grad_fn).__name__ in exact.COMPARING_NODES:
             return self._comparing(site, t, key, ref, raw)
+        if getattr(self.policy, "derives_elementwise", False) and t.is_floating_point():
+            derived = self._derived(site, t, key, ref, raw)
+            if derived is not None:
+                return derived
         if t.dtype == torch.bool:
             if not self.compress_masks or t.numel() < self.min_numel:
                 return self._keep(site, t, key, ref, raw, "bool")
@@ -388,6 +374,8 @@ class ActivationCompressor:
         self.stats.packed_bytes += delta
 
     def _unpack(self, saved: Any) -> torch.Tensor:
+        if self._recent:  # backward has begun: nothing saved next is made from them
+            self._recent.clear()
         if len(self._checks):  # backward has begun: every verdict is needed
             self._checks.settle_all()
         if self._small.open:  # backward has begun: small tensors still waiting are encoded

@@ -33,6 +33,8 @@ class SiteRecord:
     count: int = 0
     shared_with: str | None = None  # the site that packed this same tensor first
     tensor_bytes: int = 0
+    derived_from: str | None = None  # remade at unpack from this site's tensor (f(x))
+    gain: float = 1.0  # derived: x's rounding variance -> this tensor's (mean f'(x)²)
 
     @property
     def ratio(self) -> float:

@@ -71,6 +71,11 @@ class CalibratingPolicy(Policy):
             return super().describe(codec)
         return f"{'rel' if cfg.relative else 'eb'}={cfg.error_bound:.3g}"
 
+    @property
+    def measuring(self) -> bool:
+        """Whether this step calibrates (the engine measures what it records for it)."""
+        return self._calibrating
+
     def is_calibration_step(self, step: int) -> bool:
         return is_calibration_step(step, self.calibrate_every, self.warmup_steps)
 

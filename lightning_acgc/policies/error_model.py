@@ -13,7 +13,11 @@ gradient is small but sees its own input's error fully). The AC-GC policy correc
 total with the error it measures.
 
 A tensor saved by several sites (a ReLU output that is also the next conv's input) is
-packed once, by the first site; its sensitivity is the sum over all its sites.
+packed once, by the first site; its sensitivity is the sum over all its sites. An
+activation's output remade at unpack from its saved input (``derived_from``, see
+:mod:`lightning_acgc.engine.derive`) has no width of its own: its sensitivity joins
+its input's, times the mean factor (``gain``, an activation's f'(x)²) by which the input's rounding
+reaches it.
 """
 
 from __future__ import annotations
@@ -91,17 +95,18 @@ def tensor_sensitivities(
     mean_fan_in = sum(fan_in.values()) / len(fan_in) if fan_in else 1.0
     out: dict[str, TensorSensitivity] = {}
     for rec in records.values():
-        if not _policy_packed(rec) or rec.shared_with is not None:
+        if not _policy_packed(rec) or rec.shared_with or rec.derived_from:
             continue
         numel = 1
         for d in rec.shape:
             numel *= d
         out[rec.key] = TensorSensitivity(rec.key, numel)
     for rec in records.values():
-        root = out.get(rec.shared_with or rec.key)
+        key, gain = _holder(records, rec)
+        root = out.get(key)
         if root is None:
             continue
-        delta_sq = grad_sq.get(rec.module, fallback) if rec.module else fallback
+        delta_sq = gain * (grad_sq.get(rec.module, fallback) if rec.module else fallback)
         if rec.module in fan_in:
             c = fan_in[rec.module] * delta_sq
             root.weight += c
@@ -114,6 +119,21 @@ def tensor_sensitivities(
                 root.weight += c
                 root.weight_by_module[rec.module] = root.weight_by_module.get(rec.module, 0.0) + c
     return out
+
+
+def _holder(records: dict[str, SiteRecord], rec: SiteRecord) -> tuple[str, float]:
+    """The site whose tensor holds ``rec``'s values (through shared tensors and derived
+    outputs, a GELU of a LayerNorm's output of a compressed input) and the product of the
+    derivations' gains on the way."""
+    key, gain = rec.shared_with or rec.key, 1.0
+    for _ in range(len(records)):
+        held = records.get(key)
+        if held is None or not (held.shared_with or held.derived_from):
+            break
+        if held.derived_from:
+            gain *= held.gain
+        key = held.shared_with or held.derived_from or key
+    return key, gain
 
 
 def is_batch_norm_input(module_type: str, x: torch.Tensor) -> bool:
