@@ -28,6 +28,7 @@ difference against the activation ratio, one marker per configuration and recipe
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import statistics
@@ -145,10 +146,11 @@ def summarize(runs: Iterable[dict[str, Any]], plain: str = PLAIN) -> dict[str, A
     """Per recipe and configuration: paired validation-loss differences against plain.
 
     For every seed where both ran, ``val_loss(config) - val_loss(plain)``; reported are
-    their mean (absolute and relative to plain's mean loss), plain's seed-to-seed
-    spread (max - min of plain's validation losses) and ``within_spread``:
-    ``|mean difference| <= spread``. Later runs of the same (recipe, config, seed)
-    replace earlier ones.
+    their mean (absolute and relative to plain's mean loss) and standard error, plain's
+    seed-to-seed spread (max - min of plain's validation losses, on the same seeds) and
+    ``within_spread``: ``|mean difference| <= spread``; the fit time against plain's run
+    of the same seed and commit, else the one nearest in time (the same machine load).
+    Later runs of the same (recipe, config, seed) replace earlier ones.
 
     Example:
         >>> runs = [{"recipe": "r", "config": c, "seed": s, "val_loss": v, "val_acc": 0.5,
@@ -160,17 +162,16 @@ def summarize(runs: Iterable[dict[str, Any]], plain: str = PLAIN) -> dict[str, A
         (0.05, 0.2, True)
     """
     latest: dict[tuple[str, str, int], dict[str, Any]] = {}
+    plain_runs: dict[tuple[str, int], list[dict[str, Any]]] = {}  # every plain run
     for r in runs:
         latest[(r["recipe"], r["config"], r["seed"])] = r
+        if r["config"] == plain:
+            plain_runs.setdefault((r["recipe"], r["seed"]), []).append(r)
     out: dict[str, Any] = {}
     for recipe in dict.fromkeys(k[0] for k in latest):
         base = {s: r for (rc, c, s), r in latest.items() if rc == recipe and c == plain}
         if not base:
             continue
-        losses = [r["val_loss"] for r in base.values()]
-        spread = max(losses) - min(losses)
-        plain_mean = statistics.fmean(losses)
-        plain_time = statistics.fmean(r["fit_seconds"] for r in base.values())
         rows = {}
         for config in dict.fromkeys(k[1] for k in latest if k[0] == recipe):
             mine = {s: r for (rc, c, s), r in latest.items() if rc == recipe and c == config}
@@ -179,6 +180,12 @@ def summarize(runs: Iterable[dict[str, Any]], plain: str = PLAIN) -> dict[str, A
                 continue
             diffs = [mine[s]["val_loss"] - base[s]["val_loss"] for s in seeds]
             mean_diff = statistics.fmean(diffs)
+            losses = [base[s]["val_loss"] for s in seeds]  # plain on this row's seeds
+            spread, plain_mean = max(losses) - min(losses), statistics.fmean(losses)
+            plain_time = statistics.fmean(
+                _nearest(plain_runs[(recipe, s)], mine[s])["fit_seconds"] for s in seeds
+            )
+            se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None
             fit = statistics.fmean(mine[s]["fit_seconds"] for s in seeds)
             rows[config] = {
                 "seeds": seeds,
@@ -186,6 +193,7 @@ def summarize(runs: Iterable[dict[str, Any]], plain: str = PLAIN) -> dict[str, A
                 "val_acc_mean": round(statistics.fmean(mine[s]["val_acc"] for s in seeds), 4),
                 "val_loss_diff": [round(d, 4) for d in diffs],
                 "val_loss_diff_mean": round(mean_diff, 4),
+                "val_loss_diff_se": None if se is None else round(se, 4),
                 "val_loss_diff_rel": round(mean_diff / plain_mean, 4),
                 "plain_spread": round(spread, 4),
                 "within_spread": abs(mean_diff) <= spread,
@@ -196,6 +204,32 @@ def summarize(runs: Iterable[dict[str, Any]], plain: str = PLAIN) -> dict[str, A
             }
         out[recipe] = rows
     return out
+
+
+def _nearest(candidates: list[dict[str, Any]], run: dict[str, Any]) -> dict[str, Any]:
+    """The run of ``candidates`` of the same commit as ``run``, else the one nearest in
+    time (the machine's date); the last one where runs carry no date."""
+    same = [
+        c
+        for c in candidates
+        if c.get("commit") is not None and c.get("commit") == run.get("commit")
+    ]
+    if same:
+        return same[-1]
+
+    def when(r: dict[str, Any]) -> float:
+        date = r.get("machine", {}).get("date")
+        return datetime.datetime.fromisoformat(date).timestamp() if date else math.nan
+
+    t = when(run)
+    if math.isnan(t):
+        return candidates[-1]
+    return min(candidates, key=lambda c: abs(when(c) - t) if not math.isnan(when(c)) else math.inf)
+
+
+def _se(row: dict[str, Any]) -> str:
+    se = row.get("val_loss_diff_se")
+    return "" if se is None else f" ± {se:.4f}"
 
 
 def format_table(summary: dict[str, Any]) -> str:
@@ -210,8 +244,8 @@ def format_table(summary: dict[str, Any]) -> str:
         | r | x | 2 | 2.1000 | +0.0500 (+2.4%) | 0.2000 | yes | 8.00x | 0.400 | 1.50x | abc1234 |
     """
     lines = [
-        "| recipe | configuration | seeds | val loss | paired diff vs plain | plain spread "
-        "| within | ratio | val acc | fit time vs plain | commit |",
+        "| recipe | configuration | seeds | val loss | paired diff vs plain (± s.e.) "
+        "| plain spread | within | ratio | val acc | fit time vs plain | commit |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for recipe, rows in summary.items():
@@ -219,7 +253,8 @@ def format_table(summary: dict[str, Any]) -> str:
             name = config.replace("compression.", "").replace("compression=", "")
             lines.append(
                 f"| {recipe} | {name} | {len(r['seeds'])} | {r['val_loss_mean']:.4f} "
-                f"| {r['val_loss_diff_mean']:+.4f} ({100 * r['val_loss_diff_rel']:+.1f}%) "
+                f"| {r['val_loss_diff_mean']:+.4f} ({100 * r['val_loss_diff_rel']:+.1f}%)"
+                f"{_se(r)} "
                 f"| {r['plain_spread']:.4f} | {'yes' if r['within_spread'] else 'no'} "
                 f"| {r['ratio_mean']:.2f}x | {r['val_acc_mean']:.3f} "
                 f"| {r['fit_time_vs_plain']:.2f}x | {', '.join(r.get('commits', ['unknown']))} |"

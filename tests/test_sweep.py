@@ -92,7 +92,31 @@ def test_table_has_one_row_per_recipe_and_configuration() -> None:
             _run("compression=x", 1, 2.7, 8.0)]  # fmt: skip
     lines = format_table(summarize(runs)).splitlines()
     assert len(lines) == 4
-    assert lines[3].startswith("| r | x | 2 | 2.6000 | +0.5000 (+23.8%) | 0.2000 | no | 8.00x")
+    assert lines[3].startswith(
+        "| r | x | 2 | 2.6000 | +0.5000 (+23.8%) ± 0.0000 | 0.2000 | no | 8.00x"
+    )
+
+
+def test_spread_and_fit_time_come_from_the_rows_own_seeds_and_sweep() -> None:
+    """Plain's spread is taken on the seeds the configuration ran (a later plain seed far
+    off does not widen it); the fit time is against plain's run of the same commit."""
+
+    def run(config, seed, loss, seconds, commit):
+        return {**_run(config, seed, loss), "fit_seconds": seconds, "commit": commit}
+
+    runs = [
+        run(PLAIN, 0, 2.0, 10.0, "old"),
+        run(PLAIN, 1, 2.2, 10.0, "old"),
+        run("x", 0, 2.1, 15.0, "old"),
+        run("x", 1, 2.4, 15.0, "old"),
+        run(PLAIN, 0, 2.0, 5.0, "new"),  # a later sweep on a faster machine
+        run(PLAIN, 1, 2.2, 5.0, "new"),
+        run(PLAIN, 2, 3.0, 5.0, "new"),
+    ]
+    row = summarize(runs)["r"]["x"]
+    assert row["plain_spread"] == pytest.approx(0.2)
+    assert row["fit_time_vs_plain"] == pytest.approx(1.5)
+    assert row["val_loss_diff_se"] == pytest.approx(0.05)
 
 
 def test_docstring_examples() -> None:
