@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_acgc.codecs.quant import QuantCodec, QuantWidthConfig
 from lightning_acgc.engine import ActivationCompressor, EngineSettings, compressed_step
+from lightning_acgc.engine.meter import LOSS_HALF
 from lightning_acgc.policies import ACGCPolicy, build_policy
 from lightning_acgc.policies.bit_allocation import HALF, KEEP, LADDER, allocate_to_error
 from lightning_acgc.policies.quant_error import sr_variance
@@ -95,8 +96,8 @@ def test_one_bit_and_mixed_widths_round_trip_through_the_engine() -> None:
         compressed_step(engine, model, lambda: model(x).square().mean(), step=5)
         settings = {k: r.settings for k, r in engine.stats.sites.items()}
         assert settings["1:0"] == "bits=1" and settings["3:0"] == "bits=2", settings
-        # the loss's square(), outside every module, is kept by the engine whatever its width
-        assert engine.stats.sites[":0"].settings == "loss", settings
+        # the loss's square(), outside every module, is the engine's whatever its width
+        assert engine.stats.sites[":0"].settings == LOSS_HALF, settings
         assert engine.stats.sites["0:0"].codec == "half", settings
         assert sorted({p.meta["bits"] for p in engine.packed_log if p.codec == "quant"}) == [
             1,

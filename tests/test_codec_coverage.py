@@ -14,14 +14,14 @@ def test_embbag_reaches_its_goal() -> None:
     assert ratio >= GOALS["embbag"], table
 
 
-def test_unet_reaches_its_goal_on_the_models_own_tensors() -> None:
-    """The U-Net's per-pixel loss saves its log-probabilities outside the model (0.25 of
-    1.9 MB kept): kept by default, which takes the whole to 11.5x; the model's own
-    tensors, with ``compress_loss=True``, reach the goal."""
-    ratio, table = measure("unet", compress_loss=True)
+def test_unet_reaches_its_goal_with_the_loss_in_float16() -> None:
+    """The U-Net's per-pixel loss saves its log-probabilities outside the model (0.25 MB
+    raw, 15% of what was kept): stored as float16 by default (kept raw: 12.8x), the whole
+    reaches the goal; with ``compress_loss=True`` the policy's 2 bits take it further."""
+    ratio, table = measure("unet")
     assert ratio >= GOALS["unet"], table
-    kept, table = measure("unet")
-    assert "kept raw: loss (1 sites" in table and 11.0 <= kept < ratio, table
+    compressed, table = measure("unet", compress_loss=True)
+    assert compressed > ratio, table
 
 
 def test_gnn_reaches_its_goal() -> None:

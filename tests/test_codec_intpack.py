@@ -108,7 +108,10 @@ def test_engine_packs_pooling_indices_losslessly() -> None:
         if not options:
             model(x).square().sum().backward()
             return [p.grad.clone() for p in model.parameters()], None
-        with compress_activations(model=model, keep_packed=True, **options) as stats:
+        # compress_loss: the loss's square() outside the model goes to the policy (kept)
+        with compress_activations(
+            model=model, keep_packed=True, compress_loss=True, **options
+        ) as stats:
             model(x).square().sum().backward()
         return [p.grad.clone() for p in model.parameters()], stats
 
@@ -181,7 +184,9 @@ def test_engine_packs_a_shared_edge_index_once() -> None:
 
     intpack_module._Source.view = counting
     try:
-        with compress_activations(policy=FloatsRaw(), min_numel=0, model=lins) as stats:
+        with compress_activations(
+            policy=FloatsRaw(), min_numel=0, model=lins, compress_loss=True
+        ) as stats:
             forward().backward()
     finally:
         intpack_module._Source.view = real

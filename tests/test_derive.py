@@ -66,7 +66,10 @@ def _grads(model: nn.Module, x: torch.Tensor, policy=None):
     if policy is None:
         loss = model(x).square().mean()
     else:
-        with compress_activations(model=model, policy=policy) as stats:
+        # the loss's square() saves outside the model: kept by a keep-all policy only
+        # with compress_loss (by default the engine stores it as float16)
+        keep = getattr(policy, "keep_all", False)
+        with compress_activations(model=model, policy=policy, compress_loss=keep) as stats:
             loss = model(x).square().mean()
     loss.backward()
     return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()], stats

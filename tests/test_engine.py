@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -10,6 +11,7 @@ from torch import nn
 
 from lightning_acgc import CodecSpec, EngineSettings, compress_activations
 from lightning_acgc.engine import ActivationCompressor, MemoryBudgetError
+from lightning_acgc.engine.meter import LOSS_HALF
 from tests._models import ResidualCNN, TransformerBlock, loss_of
 
 
@@ -52,11 +54,38 @@ class _Tanh(nn.Module):
         return torch.tanh(self.fc(x))  # saved inside the root's forward: site ":0"
 
 
+def test_the_losss_log_probabilities_in_float16_keep_the_gradient() -> None:
+    """Cross-entropy's saved log-probabilities in float16: the output gradient p − y stays
+    within p·(exp(2**-11·|log p|) − 1) per element, confident predictions included; a
+    value beyond float16's range keeps the tensor as it is."""
+    logits = torch.randn(512, 40) * 6
+    logits[:64, 0] += 30  # p -> 1 for the target of these rows: δ = p - 1 is tiny
+    y = torch.zeros(512, dtype=torch.long)
+    y[64:] = torch.randint(0, 40, (448,))
+    grads = []
+    for ctx in (contextlib.nullcontext(), compress_activations(codec="quant", bits=2)):
+        z = logits.clone().requires_grad_()
+        with ctx:
+            loss = nn.functional.cross_entropy(z, y, reduction="sum")
+        loss.backward()
+        grads.append(z.grad)
+    plain, half = grads
+    p = torch.softmax(logits, -1)
+    rounding = 2.0**-11 * (-torch.log_softmax(logits, -1)).clamp(min=2.0**-14)  # of log p
+    bound = p * torch.expm1(rounding) + 2.0**-22 * plain.abs() + 1e-12  # and float32 ulps
+    assert ((half - plain).abs() <= bound).all()
+    assert (half != plain).any()  # it was rounded
+    with compress_activations(codec="quant", bits=2) as stats:  # log p of -1e5: kept
+        z = torch.tensor([[0.0, -1e5]], requires_grad=True).expand(2048, 2)
+        nn.functional.cross_entropy(z, torch.zeros(2048, dtype=torch.long))
+    assert stats.sites[":0"].codec == "kept", stats.sites  # half declined it
+
+
 @pytest.mark.parametrize("compress_loss", [False, True])
-def test_the_losss_own_tensors_are_kept_unless_asked(compress_loss: bool) -> None:
+def test_the_losss_own_tensors_are_float16_unless_asked(compress_loss: bool) -> None:
     """What the loss saves outside every module's forward (cross-entropy's
-    log-probabilities) is kept by default, whatever the policy; what the root module's
-    own forward saves is compressed like the rest."""
+    log-probabilities) is stored as float16 by default, whatever the policy; what the
+    root module's own forward saves is compressed like the rest."""
     torch.manual_seed(0)
     model = _Tanh()
     x, y = torch.randn(256, 64), torch.randint(0, 64, (256,))
@@ -71,7 +100,8 @@ def test_the_losss_own_tensors_are_kept_unless_asked(compress_loss: bool) -> Non
     if compress_loss:
         assert all(r.codec == "quant" for r in first), outside
     else:
-        assert all(r.codec == "kept" and r.settings == "loss" for r in first), outside
+        assert all(r.codec == "half" and r.settings == LOSS_HALF for r in first), outside
+        assert all(r.ratio == 2.0 for r in first), outside
     assert stats.sites[":0"].module_type == "_Tanh" and stats.sites[":0"].codec == "quant"
     assert stats.sites["fc:0"].codec == "quant"
 
@@ -113,10 +143,10 @@ def test_tensor_saved_by_two_ops_is_decoded_once(monkeypatch: pytest.MonkeyPatch
     with compress_activations(codec="quant", bits=8, model=model) as stats:
         model(x).square().sum().backward()
     # packed: the input, the ReLU output (shared with the second Linear); the output,
-    # saved by the loss's square outside the model, is kept: four saves, two decodes
-    assert stats.tensors_packed == 2
+    # saved by the loss's square outside the model, goes to float16: two quant decodes
+    assert stats.tensors_packed == 3
     assert len(decodes) == 2
-    assert [r.settings for r in stats.sites.values() if not r.module] == ["loss"]
+    assert [r.settings for r in stats.sites.values() if not r.module] == [LOSS_HALF]
     shared = [r for r in stats.sites.values() if r.shared_with is not None]
     assert [r.module for r in shared] == ["2"]
 

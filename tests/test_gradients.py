@@ -97,7 +97,9 @@ def test_bounded_error_shrinks_with_bound(arch: str) -> None:
     exact = _grad(model, inputs)
     errors = []
     for eb in (1e-3, 1e-4):
-        ctx = compress_activations(codec="bounded", error_bound=eb, model=model, min_numel=64)
+        ctx = compress_activations(  # the loss's own tensors bounded too: compress_loss
+            codec="bounded", error_bound=eb, model=model, min_numel=64, compress_loss=True
+        )
         got = _grad(model, inputs, ctx)
         errors.append(((got - exact).norm() / exact.norm()).item())
     assert errors[1] < 1e-2

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lightning_acgc.codecs.base import Codec, Packed
+from lightning_acgc.codecs.half import HalfCodec, HalfConfig
 from lightning_acgc.codecs.intpack import IntPackCodec, IntPackConfig
 from lightning_acgc.codecs.mask import MaskCodec, MaskConfig
 from lightning_acgc.engine import exact, sites
@@ -22,7 +23,7 @@ from lightning_acgc.engine.checks import PendingChecks
 from lightning_acgc.engine.coalesce import Coalescer
 from lightning_acgc.engine.layout import compact
 from lightning_acgc.engine.ledger import Ledger, storage_ref
-from lightning_acgc.engine.meter import CompressionStats, SiteRecord
+from lightning_acgc.engine.meter import LOSS_HALF, CompressionStats, SiteRecord
 from lightning_acgc.engine.policy import Policy
 from lightning_acgc.engine.recompute import Recomputing
 from lightning_acgc.engine.saved import Saved
@@ -104,8 +105,13 @@ class ActivationCompressor(Recomputing):
         self.step = 0
         self._mask_codec = MaskCodec(MaskConfig())
         self._int_codec = IntPackCodec(IntPackConfig())  # integers: lossless
+        self._loss_codec = HalfCodec(HalfConfig())  # the loss's log-probabilities
         # the engine's own codecs, described without asking the policy
-        self._fixed_settings = {id(self._mask_codec): "1 bit", id(self._int_codec): "lossless"}
+        self._fixed_settings = {
+            id(self._mask_codec): "1 bit",
+            id(self._int_codec): "lossless",
+            id(self._loss_codec): LOSS_HALF,
+        }
         # the policy's text of each codec it hands out (configs are frozen): once per codec
         # (describing a config's fields took 2.5 us a save, the cache 0.15 us)
         self._described: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -335,16 +341,19 @@ class ActivationCompressor(Recomputing):
             if small and (self.coalesce_min is None or t.numel() < self.coalesce_min):
                 return self._keep(site, t, key, ref, raw, "tiny")
             if not self.compress_loss and site.outside_every_module:
-                return self._keep(site, t, key, ref, raw, "loss")
-            if sites.is_norm_statistic(site.module_type, t):  # its errors compound (see there)
+                if small or t.dtype != torch.float32 or getattr(self.policy, "control", False):
+                    return self._keep(site, t, key, ref, raw, "loss")  # (identity: the control)
+                codec = self._loss_codec  # float16: see EngineSettings.compress_loss
+            elif sites.is_norm_statistic(site.module_type, t):  # its errors compound (there)
                 return self._keep(site, t, key, ref, raw, "norm statistic")
-            codec = self.policy.codec_for(site, t)
-            if codec is None:
-                return self._keep(site, t, key, ref, raw, "policy")
-            if codec.name == "identity":
-                return self._keep(site, t, key, ref, raw, "raw", name="identity")
-            if small:
-                return self._join(site, t, key, ref, raw, codec)
+            else:
+                codec = self.policy.codec_for(site, t)
+                if codec is None:
+                    return self._keep(site, t, key, ref, raw, "policy")
+                if codec.name == "identity":
+                    return self._keep(site, t, key, ref, raw, "raw", name="identity")
+                if small:
+                    return self._join(site, t, key, ref, raw, codec)
         part, layout = compact(t.detach())
         self._checks.poll()
         try:  # without waiting for the device where the codec can (see engine/checks.py)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["RAW_CODECS", "CompressionStats", "SiteRecord"]
+__all__ = ["LOSS_HALF", "RAW_CODECS", "CompressionStats", "SiteRecord"]
 
 # Site codecs under which the tensor itself is held (its storage charged once).
 RAW_CODECS = ("kept", "identity")
+LOSS_HALF = "loss, float16"  # the settings of the loss's tensors the engine stores as float16
 
 
 @dataclass

@@ -82,8 +82,8 @@ class ActivationCompression(Callback):
         seed: base seed of the codecs' random numbers (never the global RNG).
         compress_masks: bool tensors (dropout masks) go to the lossless ``mask`` codec.
         strict: re-raise codec errors instead of keeping the tensor uncompressed.
-        compress_loss: also compress the loss's tensors, saved outside every module
-            (kept by default: :class:`~lightning_acgc.engine.EngineSettings`).
+        compress_loss: compress the loss's tensors, saved outside every module, with the
+            policy's codecs (float16 by default: :class:`~lightning_acgc.engine.EngineSettings`).
         print_table: print the per-site table at fit end (rank zero): ``True`` the
             largest sites, why tensors stayed raw and the total; ``"full"`` every site.
         scale_batch_size: ``"power"``, ``"binsearch"``, a

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightning_acgc.engine.meter import SiteRecord
+from lightning_acgc.engine.meter import LOSS_HALF, SiteRecord
 from lightning_acgc.engine.sites import NORM_TYPES, is_norm_statistic
 
 __all__ = [
@@ -46,6 +46,8 @@ NOT_POLICY = ("kept", "mask")
 
 
 def _policy_packed(rec: SiteRecord) -> bool:
+    if rec.settings == LOSS_HALF:  # the engine's, whatever the policy
+        return False
     return rec.codec not in NOT_POLICY or (rec.codec == "kept" and rec.settings == "policy")
 
 
@@ -86,7 +88,7 @@ def tensor_sensitivities(
         Example:
             >>> import torch
 
-    from lightning_acgc.engine.meter import SiteRecord
+    from lightning_acgc.engine.meter import LOSS_HALF, SiteRecord
             >>> rec = SiteRecord("fc:0", "fc", "Linear", (8, 4), "float32", "bounded", "")
             >>> tensor_sensitivities({"fc:0": rec}, {"fc": 2.0}, {"fc": 4})["fc:0"].weight
             8.0
