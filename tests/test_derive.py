@@ -233,16 +233,19 @@ def test_second_backward_and_freed_memory():
     assert stats.live_bytes == 0
 
 
+def _record(key, module, module_type, codec="recomputed", **extra) -> SiteRecord:
+    r = SiteRecord(key, module, module_type, (8, 4), "float32", codec, "")
+    for k, v in extra.items():
+        setattr(r, k, v)
+    return r
+
+
 def test_sensitivity_of_a_derived_output_joins_its_input_times_the_gain():
-    def rec(key, module, module_type, codec="quant", **extra):
-        r = SiteRecord(key, module, module_type, (8, 4), "float32", codec, "")
-        for k, v in extra.items():
-            setattr(r, k, v)
-        return r
+    rec = _record
 
     records = {
-        "act:0": rec("act:0", "act", "GELU"),
-        "fc:0": rec("fc:0", "fc", "Linear", "recomputed", derived_from="act:0", gain=0.5),
+        "act:0": rec("act:0", "act", "GELU", "quant"),
+        "fc:0": rec("fc:0", "fc", "Linear", derived_from="act:0", gain=0.5),
         "fc2:0": rec("fc2:0", "fc2", "Linear", "recomputed", shared_with="fc:0"),
     }
     sens = tensor_sensitivities(records, {"act": 2.0, "fc": 3.0, "fc2": 5.0}, {"fc": 4, "fc2": 4})
@@ -267,13 +270,7 @@ def test_derive_plan_needs_the_input_among_the_recent():
 def test_a_chain_of_derivations_joins_the_first_input():
     """A GELU of a LayerNorm's output: the GELU's input is the LayerNorm's output
     (derived from the LayerNorm's input), and its output is derived from that."""
-
-    def rec(key, module, module_type, codec="recomputed", **extra):
-        r = SiteRecord(key, module, module_type, (8, 4), "float32", codec, "")
-        for k, v in extra.items():
-            setattr(r, k, v)
-        return r
-
+    rec = _record
     records = {
         "ln:0": rec("ln:0", "ln", "LayerNorm", "quant"),
         "act:0": rec("act:0", "act", "GELU", derived_from="ln:0", gain=2.0),
