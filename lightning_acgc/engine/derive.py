@@ -31,7 +31,15 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ELEMENTWISE_NODES", "Derivation", "Origin", "derivative_gain", "derive_plan"]
+__all__ = [
+    "DERIVABLE_NODES",
+    "ELEMENTWISE_NODES",
+    "Derivation",
+    "Origin",
+    "derivative_gain",
+    "derive_plan",
+    "derived_output",
+]
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -85,6 +93,7 @@ ELEMENTWISE_NODES: dict[str, Callable[[object], Fn]] = {
     "EluBackward0": _elu,
 }
 LAYER_NORM_NODE = "NativeLayerNormBackward0"
+DERIVABLE_NODES = frozenset({*ELEMENTWISE_NODES, LAYER_NORM_NODE})
 
 
 class Origin(NamedTuple):
@@ -206,21 +215,27 @@ def _layer_norm(saved: torch.Tensor, base: torch.Tensor, recent: list[Origin]) -
     return Derivation(fn, (i, *stats), "layer_norm", gain)
 
 
+def derived_output(saved: torch.Tensor) -> bool:
+    """Whether ``saved`` (or the tensor it is a view of) is an activation's or a
+    LayerNorm's output that :func:`derive_plan` may remake (a cheap test, before any
+    search)."""
+    base = saved if saved._base is None else saved._base
+    return type(base.grad_fn).__name__ in DERIVABLE_NODES
+
+
 def derive_plan(saved: torch.Tensor, recent: list[Origin]) -> Derivation | None:
     """How to remake the saved tensor ``saved`` (an activation's or a LayerNorm's output,
     or a view of it) from tensors saved before it (``recent``, oldest first); None where
     it is not such an output, its input is not among them, or the output is not
     contiguous."""
-    base = saved if saved._base is None else saved._base
-    node = base.grad_fn
-    name = type(node).__name__
-    if node is None or not base.is_contiguous():
+    if not derived_output(saved):
         return None
-    if name in ELEMENTWISE_NODES:
-        return _activation(saved, base, recent)
-    if name == LAYER_NORM_NODE:
+    base = saved if saved._base is None else saved._base
+    if not base.is_contiguous():
+        return None
+    if type(base.grad_fn).__name__ == LAYER_NORM_NODE:
         return _layer_norm(saved, base, recent)
-    return None
+    return _activation(saved, base, recent)
 
 
 def derivative_gain(fn: Fn, x: torch.Tensor, samples: int = 4096) -> float:

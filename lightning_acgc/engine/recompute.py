@@ -6,7 +6,7 @@ and LayerNorm outputs (:mod:`lightning_acgc.engine.derive`)."""
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -15,12 +15,29 @@ from lightning_acgc.engine.meter import SiteRecord
 from lightning_acgc.engine.saved import Saved
 from lightning_acgc.engine.sites import SiteInfo
 
-__all__ = ["Recomputing"]
+__all__ = ["Recent", "Recomputing"]
+
+
+class Recent(NamedTuple):
+    """A tensor just saved: a weak reference to it, a weak reference to what the engine
+    returned for it (None: the tensor itself), and, where the policy derives outputs, its
+    origin in the graph and (on measuring steps) the tensor itself."""
+
+    tensor: weakref.ReferenceType
+    holder: weakref.ReferenceType | None
+    origin: derive.Origin | None
+    strong: torch.Tensor | None
+
+    def source(self) -> Saved | torch.Tensor | None:
+        """What a recomputation reads: the holder, or the tensor returned as it is."""
+        return self.tensor() if self.holder is None else self.holder()
 
 
 class Recomputing:
     """Mixin of :class:`~lightning_acgc.engine.compressor.ActivationCompressor`; uses its
-    ``policy``, ``_recent``, ``_dedup``, ``_keep`` and ``_record``."""
+    ``policy``, ``_recent``, ``_dedup``, ``_keep`` and ``_record``. Whether the policy
+    derives outputs is read at each save: the batch-size search swaps the policy for the
+    identity control for a while."""
 
     policy: Any
     _recent: Any
@@ -32,22 +49,28 @@ class Recomputing:
     def _record(self, *args: Any) -> SiteRecord:
         raise NotImplementedError
 
+    def _recomputed(
+        self, site: SiteInfo, t: torch.Tensor, key: tuple, ref: Any, raw: int,
+        sources: list[Saved | torch.Tensor], fn: Any, settings: str,
+    ) -> tuple[Saved, SiteRecord]:  # fmt: skip
+        """What autograd holds for ``t``, made by ``fn`` from ``sources`` at unpack;
+        nothing stored, the site recorded with ``settings``."""
+        saved = Saved(None, None, site.key, "recomputed", sources=tuple(sources), recompute=fn)
+        self._dedup[key] = (ref, weakref.ref(saved))
+        return saved, self._record(site, t, "recomputed", settings, raw, 0)
+
     def _comparing(self, site: SiteInfo, t: torch.Tensor, key: tuple, ref: Any, raw: int) -> Any:
         """A reduction result its backward compares with its inputs (amax, ...; see
         :mod:`lightning_acgc.engine.exact`): recomputed at unpack from what its inputs'
         holders unpack (nothing stored), or kept as it is where they are not found."""
-        recent = [(entry[0](), entry[1]) for entry in self._recent]
-        plan = exact.recompute_plan(t, [tensor for tensor, _ in recent])
-        sources = []
-        for tensor, holder in recent[len(recent) - plan[1] :] if plan else ():
-            sources.append(tensor if holder is None else holder())
+        recent = list(self._recent)
+        plan = exact.recompute_plan(t, [entry.tensor() for entry in recent])
+        sources = [entry.source() for entry in recent[len(recent) - plan[1] :]] if plan else []
         if plan is None or any(s is None for s in sources):
             return self._keep(site, t, key, ref, raw, "compared by its backward")
-        saved = Saved(None, None, site.key, "recomputed", sources=tuple(sources), recompute=plan[0])
-        self._dedup[key] = (ref, weakref.ref(saved))
         named = [s.site for s in sources if isinstance(s, Saved)]
-        self._record(site, t, "recomputed", f"from {', '.join(named) or 'its inputs'}", raw, 0)
-        return saved
+        settings = f"from {', '.join(named) or 'its inputs'}"
+        return self._recomputed(site, t, key, ref, raw, sources, plan[0], settings)[0]
 
     def _derived(self, site: SiteInfo, t: torch.Tensor, key: tuple, ref: Any, raw: int) -> Any:
         """An activation's or a LayerNorm's output whose input was saved just before:
@@ -56,30 +79,27 @@ class Recomputing:
         caller packs it as usual). The site's record names the input's site
         (``derived_from``) and, on the policy's measuring steps, the mean factor (``gain``)
         by which the input's rounding variance reaches it."""
-        base = t if t._base is None else t._base
-        name = type(base.grad_fn).__name__
-        if name not in derive.ELEMENTWISE_NODES and name != derive.LAYER_NORM_NODE:
+        if not derive.derived_output(t):
             return None
-        recent = [entry for entry in self._recent if entry[2] is not None]
-        plan = derive.derive_plan(t, [entry[2] for entry in recent])
+        recent = [entry for entry in self._recent if entry.origin is not None]
+        plan = derive.derive_plan(t, [entry.origin for entry in recent])
         if plan is None:
             return None
         entries = [recent[i] for i in plan.sources]
-        sources = [ref_() if holder is None else holder() for ref_, holder, _, _ in entries]
+        sources = [entry.source() for entry in entries]
         if any(s is None for s in sources):
             return None
-        saved = Saved(None, None, site.key, "recomputed", sources=tuple(sources), recompute=plan.fn)
-        self._dedup[key] = (ref, weakref.ref(saved))
         source = sources[0]
         of = source.site if isinstance(source, Saved) else "its input"
-        rec = self._record(site, t, "recomputed", f"{plan.name} of {of}", raw, 0)
+        saved, rec = self._recomputed(
+            site, t, key, ref, raw, sources, plan.fn, f"{plan.name} of {of}"
+        )
         if isinstance(source, Saved):
             rec.derived_from = source.site
-            held = [entry[3] for entry in entries]
-            if held[0] is not None:  # a measuring step: the input itself is at hand
+            if entries[0].strong is not None:  # a measuring step: the input itself is at hand
                 values = [
-                    h if h is not None else _values_of(s)
-                    for h, s in zip(held, sources, strict=True)
+                    e.strong if e.strong is not None else _values_of(s)
+                    for e, s in zip(entries, sources, strict=True)
                 ]
                 rec.gain = plan.gain(*values)
         return saved
@@ -87,7 +107,7 @@ class Recomputing:
     def _remember(self, t: torch.Tensor, held: Any) -> None:
         """Note ``t``, just saved, and what the engine returned for it (None: ``t``
         itself): a reduction result or an activation's output saved next may be made from
-        it. Where the policy derives activations' outputs, also ``t``'s origin in the graph
+        it. Where the policy derives outputs, also ``t``'s origin in the graph
         (:class:`~lightning_acgc.engine.derive.Origin`: the node that made it, held
         until backward begins or the step ends) and, on the policy's measuring steps,
         ``t`` itself, to measure ``f'(t)²`` on."""
@@ -96,7 +116,7 @@ class Recomputing:
         if getattr(self.policy, "derives_elementwise", False) and t.is_floating_point():
             origin = derive.Origin.of(t)
             strong = t if getattr(self.policy, "measuring", False) else None
-        self._recent.append((weakref.ref(t), holder, origin, strong))
+        self._recent.append(Recent(weakref.ref(t), holder, origin, strong))
 
 
 def _values_of(source: Saved | torch.Tensor) -> torch.Tensor:

@@ -133,7 +133,7 @@ class ACGCPolicy(
     """
 
     name = "acgc"
-    derives_elementwise = True  # GELU/SiLU outputs remade from their input (engine/elementwise)
+    derives_elementwise = True  # activation/LayerNorm outputs remade (engine/derive.py)
     codecs = CODECS  # what codec= may name; the first is the default
     options = (
         "gradient_error", "calibrate_every", "verify", "warmup_steps", "history",

@@ -14,10 +14,10 @@ total with the error it measures.
 
 A tensor saved by several sites (a ReLU output that is also the next conv's input) is
 packed once, by the first site; its sensitivity is the sum over all its sites. An
-activation's output remade at unpack from its saved input (``derived_from``, see
-:mod:`lightning_acgc.engine.derive`) has no width of its own: its sensitivity joins
-its input's, times the mean factor (``gain``, an activation's f'(x)²) by which the input's rounding
-reaches it.
+output remade at unpack from its saved input (``derived_from``, see
+:mod:`lightning_acgc.engine.derive`) has no width of its own: its sensitivity joins its
+input's, times the mean factor (``gain``; an activation's: f'(x)²) by which the input's
+rounding reaches it.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def tensor_sensitivities(
         Example:
             >>> import torch
 
-    from lightning_acgc.engine.meter import LOSS_HALF, SiteRecord
+    from lightning_acgc.engine.meter import SiteRecord
             >>> rec = SiteRecord("fc:0", "fc", "Linear", (8, 4), "float32", "bounded", "")
             >>> tensor_sensitivities({"fc:0": rec}, {"fc": 2.0}, {"fc": 4})["fc:0"].weight
             8.0
