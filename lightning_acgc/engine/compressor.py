@@ -124,7 +124,7 @@ class ActivationCompressor(Recomputing):
         # the tensors saved last and what the engine returned for them (None: the tensor
         # itself), oldest first: a reduction result saved next may need them
         # (lightning_acgc.engine.exact)
-        self._recent: collections.deque = collections.deque(maxlen=6)  # of Recent
+        self._recent: collections.deque = collections.deque(maxlen=8)  # of Recent
         self._site_hash: dict[str, int] = {}
         self._warned: set[str] = set()
         self._paused = 0

@@ -14,6 +14,7 @@ from lightning_acgc.engine import derive, exact
 from lightning_acgc.engine.meter import SiteRecord
 from lightning_acgc.engine.saved import Saved
 from lightning_acgc.engine.sites import SiteInfo
+from lightning_acgc.kernels.mask import mask_pack
 
 __all__ = ["Recent", "Recomputing"]
 
@@ -42,6 +43,8 @@ class Recomputing:
     policy: Any
     _recent: Any
     _dedup: dict[tuple, tuple[Any, weakref.ReferenceType]]
+    _ledger: Any
+    stats: Any
 
     def _keep(self, *args: Any, **kwargs: Any) -> Saved:
         raise NotImplementedError
@@ -51,13 +54,17 @@ class Recomputing:
 
     def _recomputed(
         self, site: SiteInfo, t: torch.Tensor, key: tuple, ref: Any, raw: int,
-        sources: list[Saved | torch.Tensor], fn: Any, settings: str,
+        sources: list[Saved | torch.Tensor], fn: Any, settings: str, stored: int = 0,
     ) -> tuple[Saved, SiteRecord]:  # fmt: skip
-        """What autograd holds for ``t``, made by ``fn`` from ``sources`` at unpack;
-        nothing stored, the site recorded with ``settings``."""
+        """What autograd holds for ``t``, made by ``fn`` from ``sources`` at unpack; the
+        holder charged ``stored`` bytes (a mask among the sources; else nothing), the site
+        recorded with ``settings``."""
         saved = Saved(None, None, site.key, "recomputed", sources=tuple(sources), recompute=fn)
+        if stored:
+            self._ledger.hold_packed(saved, stored)
+            self.stats.packed_bytes += stored
         self._dedup[key] = (ref, weakref.ref(saved))
-        return saved, self._record(site, t, "recomputed", settings, raw, 0)
+        return saved, self._record(site, t, "recomputed", settings, raw, stored)
 
     def _comparing(self, site: SiteInfo, t: torch.Tensor, key: tuple, ref: Any, raw: int) -> Any:
         """A reduction result its backward compares with its inputs (amax, ...; see
@@ -91,9 +98,11 @@ class Recomputing:
             return None
         source = sources[0]
         of = source.site if isinstance(source, Saved) else "its input"
+        bits = [] if plan.kept is None else [mask_pack(plan.kept)]  # a mask: 1 bit a value
         saved, rec = self._recomputed(
-            site, t, key, ref, raw, sources, plan.fn, f"{plan.name} of {of}"
-        )
+            site, t, key, ref, raw, [*sources, *bits], plan.fn, f"{plan.name} of {of}",
+            sum(b.numel() for b in bits),
+        )  # fmt: skip
         if isinstance(source, Saved):
             rec.derived_from = source.site
             if entries[0].strong is not None:  # a measuring step: the input itself is at hand
@@ -101,7 +110,7 @@ class Recomputing:
                     e.strong if e.strong is not None else _values_of(s)
                     for e, s in zip(entries, sources, strict=True)
                 ]
-                rec.gain = plan.gain(*values)
+                rec.gain = plan.gain(*values, *bits)
         return saved
 
     def _remember(self, t: torch.Tensor, held: Any) -> None:

@@ -82,8 +82,13 @@ class Saved:
     def _values(self, consume: bool) -> torch.Tensor:
         if self.raw is not None:
             return self.raw
-        if self.recompute is not None:
-            return self.recompute(*(_peek(s) for s in self.sources))
+        if self.recompute is not None:  # kept for the unpacks still to come, as decoded
+            out = self.decoded
+            if out is None:
+                out = self.recompute(*(_peek(s) for s in self.sources))
+            self.pending -= int(consume)
+            self.decoded = out if self.pending > 0 else None
+            return out
         if self.chunk is not None:
             m, chunk = self.member, self.chunk
             assert m is not None

@@ -7,10 +7,17 @@ from __future__ import annotations
 import torch
 
 from lightning_acgc.kernels.common.dispatch import route
-from lightning_acgc.kernels.mask.cpu import mask_pack_cpu, mask_unpack_cpu
-from lightning_acgc.kernels.mask.reference import mask_pack_ref, mask_unpack_ref
+from lightning_acgc.kernels.mask.cpu import mask_affine_cpu, mask_pack_cpu, mask_unpack_cpu
+from lightning_acgc.kernels.mask.reference import mask_affine_ref, mask_pack_ref, mask_unpack_ref
 
-__all__ = ["mask_pack", "mask_pack_ref", "mask_unpack", "mask_unpack_ref"]
+__all__ = [
+    "mask_affine",
+    "mask_affine_ref",
+    "mask_pack",
+    "mask_pack_ref",
+    "mask_unpack",
+    "mask_unpack_ref",
+]
 
 _TRITON = "lightning_acgc.kernels.mask.triton"
 
@@ -35,3 +42,27 @@ def mask_unpack(packed: torch.Tensor, numel: int, backend: str = "auto") -> torc
     """
     fn = route(packed, backend, mask_unpack_ref, f"{_TRITON}:mask_unpack_triton", mask_unpack_cpu)
     return fn(packed, numel)
+
+
+def mask_affine(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    packed: torch.Tensor,
+    tiny: float,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """A ReLU's output remade from its BatchNorm's input ``x`` (channels in dimension 1)
+    and the ReLU's exact mask ``packed`` (:func:`mask_pack` of ``y > 0``, flat order of
+    ``x``): per channel ``x·scale + shift``, at least ``tiny`` where the mask's bit is set
+    (NaN stays NaN), 0 elsewhere. The compiled CPU path for float32 (one pass); torch ops
+    elsewhere (no Triton kernel: on a GPU they are bandwidth-bound already).
+
+    Example:
+        >>> x = torch.tensor([[-1.0, 2.0], [3.0, -4.0]])  # 2 rows, 2 channels
+        >>> bits = mask_pack(torch.tensor([[False, True], [True, False]]))
+        >>> mask_affine(x, torch.ones(2), torch.zeros(2), bits, 1e-30).tolist()
+        [[0.0, 2.0], [3.0, 0.0]]
+    """
+    cpu = mask_affine_cpu if x.dtype == torch.float32 and x.dim() >= 2 else None
+    return route(x, backend, mask_affine_ref, None, cpu)(x, scale, shift, packed, tiny)

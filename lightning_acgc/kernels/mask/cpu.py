@@ -7,7 +7,7 @@ import torch
 
 from lightning_acgc.kernels.common.cpu_lib import cpu_library, cpu_threads
 
-__all__ = ["mask_pack_cpu", "mask_unpack_cpu"]
+__all__ = ["mask_affine_cpu", "mask_pack_cpu", "mask_unpack_cpu"]
 
 
 def mask_pack_cpu(mask: torch.Tensor) -> torch.Tensor:
@@ -28,3 +28,20 @@ def mask_unpack_cpu(packed: torch.Tensor, numel: int) -> torch.Tensor:
     if numel:
         cpu_library().acgc_mask_unpack(packed.data_ptr(), numel, out.data_ptr(), cpu_threads())
     return out.view(torch.bool)
+
+
+def mask_affine_cpu(
+    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, packed: torch.Tensor, tiny: float
+) -> torch.Tensor:
+    """:func:`~lightning_acgc.kernels.mask.reference.mask_affine_ref` in one pass over a
+    float32 ``x`` (bit-identical)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    rows = x.shape[0] * x.shape[1] if x.dim() >= 2 else 0
+    if out.numel():
+        scale, shift, packed = scale.contiguous(), shift.contiguous(), packed.contiguous()
+        cpu_library().acgc_mask_affine_f32(
+            x.data_ptr(), rows, x.shape[1], x.numel() // rows, scale.data_ptr(),
+            shift.data_ptr(), packed.data_ptr(), tiny, out.data_ptr(), cpu_threads(),
+        )  # fmt: skip
+    return out

@@ -10,7 +10,7 @@ import torch
 
 from lightning_acgc.kernels.common.bitpack import pack_codes, unpack_codes
 
-__all__ = ["mask_pack_ref", "mask_unpack_ref"]
+__all__ = ["mask_affine_ref", "mask_pack_ref", "mask_unpack_ref"]
 
 
 def mask_pack_ref(mask: torch.Tensor) -> torch.Tensor:
@@ -25,3 +25,15 @@ def mask_pack_ref(mask: torch.Tensor) -> torch.Tensor:
 def mask_unpack_ref(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """Flat bool tensor of the first ``numel`` bits."""
     return unpack_codes(packed, 1, numel).view(torch.bool)
+
+
+def mask_affine_ref(
+    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, packed: torch.Tensor, tiny: float
+) -> torch.Tensor:
+    """A ReLU's output remade from its BatchNorm's input ``x`` (channels in dimension 1)
+    and its exact mask ``packed`` (bits, flat order of ``x``): ``x·scale + shift`` per
+    channel, at least ``tiny`` where the mask's bit is set (NaN stays NaN), else 0."""
+    shape = (1, -1, *(1,) * (x.dim() - 2))
+    out = (x * scale.view(shape)).add_(shift.view(shape)).clamp_min_(tiny)
+    keep = mask_unpack_ref(packed, x.numel()).view(x.shape)
+    return out.masked_fill_(~keep, 0.0)

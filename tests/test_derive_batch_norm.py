@@ -1,0 +1,241 @@
+"""BatchNorm outputs and ReLU-of-BatchNorm outputs remade at unpack from the BatchNorm's
+saved input and exact statistics (lightning_acgc.engine.derive), for policies that set
+``derives_elementwise`` (acgc). The ReLU's mask is kept exactly, at 1 bit a value."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_acgc import compress_activations
+from lightning_acgc.codecs.spec import CodecSpec
+from lightning_acgc.engine.derive import Origin, derive_plan
+from lightning_acgc.policies.fixed import FixedPolicy
+from tests.test_derive import Deriving
+
+
+class ConvBnRelu(nn.Module):
+    """conv, BatchNorm, ReLU (in place), conv: the second conv saves the ReLU's output."""
+
+    def __init__(self, affine: bool = True, track: bool = True) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8, affine=affine, track_running_stats=track)
+        self.relu = nn.ReLU(inplace=True)
+        self.b = nn.Conv2d(8, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.relu(self.bn(self.a(x))))
+
+
+def _inputs(seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(4, 3, 12, 12, generator=g) * 2).requires_grad_()
+
+
+def _grads(model: nn.Module, x: torch.Tensor, policy=None, **settings):
+    model.zero_grad()
+    x.grad = None
+    stats = None
+    if policy is None:
+        loss = model(x).square().mean()
+    else:
+        keep = getattr(policy, "keep_all", False)
+        with compress_activations(
+            model=model, policy=policy, compress_loss=keep, **settings
+        ) as stats:
+            loss = model(x).square().mean()
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()], stats
+
+
+def _saved_relu(model: ConvBnRelu, x: torch.Tensor, policy) -> torch.Tensor:
+    """What the ReLU's backward unpacks as its output."""
+    with compress_activations(model=model, policy=policy):
+        out = model(x)
+    node = out.grad_fn.next_functions[0][0]  # the second conv's input: the ReLU
+    assert type(node).__name__ == "ReluBackward0"
+    return node._saved_result
+
+
+@pytest.mark.parametrize(
+    ("affine", "track"), [(True, True), (False, True), (True, False), (False, False)]
+)
+def test_kept_input_gives_plain_gradients_and_stores_the_mask(affine, track):
+    torch.manual_seed(0)
+    model, x = ConvBnRelu(affine, track), _inputs()
+    plain, _ = _grads(model, x)
+    derived, stats = _grads(model, x, Deriving(None))
+    for a, b in zip(derived, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    relu = stats.sites["relu:0"]
+    assert relu.codec == "recomputed" and relu.derived_from == "bn:0"
+    assert relu.packed_bytes == 4 * 8 * 12 * 12 // 8  # the mask: 1 bit a value
+    assert stats.sites["b:0"].shared_with == "relu:0"
+
+
+def test_the_mask_is_exact_under_coarse_rounding():
+    """At 2 bits the BatchNorm's input is far off, yet the ReLU passes the same elements:
+    the unpacked output is positive exactly where the true output is, zero elsewhere."""
+    torch.manual_seed(0)
+    model, x = ConvBnRelu(), _inputs()
+    with torch.no_grad():
+        true = F.relu(model.bn(model.a(x)))
+    y_hat = _saved_relu(model, x, Deriving(CodecSpec("quant", {"bits": 2})))
+    assert torch.equal(y_hat > 0, true > 0)
+    assert bool((y_hat[true == 0] == 0).all())
+    err = float((y_hat - true).detach().norm() / true.norm())
+    assert 0 < err < 1.0  # rounded values (2 bits), not the exact ones
+
+
+def test_nan_survives_the_derivation():
+    torch.manual_seed(0)
+    model, x = ConvBnRelu(), _inputs()
+    with torch.no_grad():
+        model.a.bias[2] = float("nan")  # its channel: NaN after the BatchNorm
+        model.a.bias[5] = float("inf")  # inf - mean(inf) is NaN too
+    y_hat = _saved_relu(model, x, Deriving(CodecSpec("quant", {"bits": 8})))
+    assert y_hat[:, 2].isnan().all() and y_hat[:, 5].isnan().all()
+    assert not y_hat[:, [0, 1, 3, 4, 6, 7]].isnan().any()
+
+
+def test_gain_is_the_passed_share_of_the_channels_squared_scale():
+    torch.manual_seed(0)
+    model, x = ConvBnRelu(), _inputs()
+    with torch.no_grad():
+        model.bn.weight.copy_(torch.linspace(0.5, 2.0, 8))
+    _, stats = _grads(model, x, Deriving(CodecSpec("quant", {"bits": 8})))
+    with torch.no_grad():
+        h = model.a(x)
+        var = h.var(dim=(0, 2, 3), unbiased=False)
+        rstd2 = 1.0 / (var + model.bn.eps)
+        passed = (F.relu(model.bn(h)) > 0).sum(dim=(0, 2, 3)).double()
+        expected = float(
+            (passed * rstd2.double() * model.bn.weight.double() ** 2).sum() / h.numel()
+        )
+    assert stats.sites["relu:0"].gain == pytest.approx(expected, rel=1e-4)
+
+
+def test_a_batch_norm_output_saved_by_the_next_op_is_derived():
+    """BatchNorm1d, then GELU (it saves its input: the BatchNorm's output), then Linear
+    (it saves the GELU's output): both remade from the BatchNorm's input, as a chain."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.GELU(), nn.Linear(32, 4))
+    x = torch.randn(64, 16).requires_grad_()
+    plain, _ = _grads(model, x)
+    derived, stats = _grads(model, x, Deriving(None))
+    for a, b in zip(derived, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert stats.sites["2:0"].codec == "recomputed" and stats.sites["2:0"].derived_from == "1:0"
+    assert stats.sites["3:0"].codec == "recomputed" and stats.sites["3:0"].derived_from == "2:0"
+    assert stats.sites["2:0"].packed_bytes == 0  # no mask: nothing stored
+
+
+def test_eval_mode_is_not_derived():
+    torch.manual_seed(0)
+    model, x = ConvBnRelu(), _inputs()
+    policy = Deriving(CodecSpec("quant", {"bits": 8}))
+    model.eval()  # running statistics: the saved mean and 1/σ are empty
+    _, stats = _grads(model, x, policy)
+    assert stats.sites["relu:0"].codec != "recomputed"
+    model.train()
+    _, stats = _grads(model, x, FixedPolicy(CodecSpec("quant", {"bits": 8})))
+    assert stats.sites["relu:0"].codec != "recomputed"  # the policy does not ask
+
+
+def test_something_saved_between_the_norm_and_the_relu_stops_the_derivation():
+    class Between(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn, self.lin = nn.BatchNorm1d(16), nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.bn(x * 1.0)
+            other = torch.sin(x * 2.0)  # saves x·2 (computed): not one of the BatchNorm's
+            return self.lin(torch.relu(y)) + other
+
+    torch.manual_seed(0)
+    model, x = Between(), torch.randn(32, 16).requires_grad_()
+    plain, _ = _grads(model, x)
+    got, stats = _grads(model, x, Deriving(None))
+    assert all(r.codec != "recomputed" for r in stats.sites.values())
+    for a, b in zip(got, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_derive_plan_of_a_relu_needs_a_batch_norm_input():
+    x = torch.randn(4, 6, 5, requires_grad=True)
+    h = x * 2
+    assert derive_plan(torch.relu(h), [Origin.of(h)]) is None  # a Mul's output: kept
+    bn = nn.BatchNorm1d(6)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(Origin.of(t)) or t, lambda t: t
+    ):
+        y = bn(h)
+    z = torch.relu(y)
+    plan = derive_plan(z, saved)
+    assert plan is not None and plan.name == "relu of batch_norm" and plan.kept is not None
+    assert plan.sources == (0, len(saved) - 2, len(saved) - 1)
+    assert derive_plan(z, saved[:-1]) is None  # 1/σ missing
+
+
+def test_second_backward_and_freed_memory():
+    torch.manual_seed(0)
+    model, x = ConvBnRelu(), _inputs()
+    with compress_activations(model=model, policy=Deriving(CodecSpec("quant", {"bits": 4}))) as st:
+        loss = model(x).square().mean()
+    first = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+    second = torch.autograd.grad(loss, list(model.parameters()))
+    for a, b in zip(first, second, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    del loss
+    assert st.live_bytes == 0
+
+
+def test_acgc_on_a_resnet_block_keeps_its_promise():
+    """acgc on conv-BN-ReLU-conv-BN + identity, ReLU: the first ReLU's output is remade
+    (no width of its own), the second (after the add) is packed; the promise holds."""
+    from lightning_acgc.engine import ActivationCompressor, EngineSettings
+    from lightning_acgc.engine.step import compressed_step
+    from lightning_acgc.policies.acgc import ACGCPolicy
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c1, self.n1 = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+            self.c2, self.n2 = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+            self.r1, self.r2 = nn.ReLU(inplace=True), nn.ReLU(inplace=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.r2(self.n2(self.c2(self.r1(self.n1(self.c1(x))))) + x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), Block(), Block(), nn.Flatten(), nn.Linear(8 * 64, 4)
+    )
+    x = torch.randn(16, 3, 8, 8)
+    model.zero_grad()
+    model(x).square().mean().backward()
+    exact = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    policy = ACGCPolicy(gradient_error=0.1, warmup_steps=4, calibrate_every=1000)
+    engine = ActivationCompressor(policy, model=model, settings=EngineSettings(min_numel=0))
+    engine.install()
+    policy.setup(model)
+    try:
+        for step in range(4):
+            model.zero_grad()
+            compressed_step(engine, model, lambda: model(x).square().mean(), step=step)
+        sites = dict(engine.stats.sites)
+    finally:
+        engine.remove()
+    for block in ("1", "2"):
+        r1 = sites[f"{block}.r1:0"]
+        assert r1.codec == "recomputed" and r1.derived_from == f"{block}.n1:0"
+        assert f"{block}.n1:0" in policy.site_bits and f"{block}.r1:0" not in policy.site_bits
+        assert sites[f"{block}.r2:0"].codec != "recomputed"
+    assert policy.metrics()["grad_error"] <= 0.1
+    got = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    assert float((got - exact).norm() / exact.norm()) <= 0.1

@@ -1,0 +1,90 @@
+"""``mask_affine``: a ReLU's output remade from its BatchNorm's input and its exact mask.
+The compiled CPU path against the torch reference (bit-identical, NaN in the same places)
+and the reference against its definition."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_acgc.kernels.common import cpu_lib
+from lightning_acgc.kernels.mask import mask_affine, mask_affine_ref, mask_pack
+
+TINY = torch.finfo(torch.float32).tiny
+
+
+def _case(shape: tuple[int, ...], seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * 3
+    channels = shape[1]
+    scale = torch.rand(channels, generator=g) * 2
+    shift = torch.randn(channels, generator=g)
+    view = (1, -1, *(1,) * (len(shape) - 2))
+    y = torch.relu(x * scale.view(view) + shift.view(view))
+    return x, scale, shift, mask_pack(~(y <= 0))
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+
+
+def _adversarial(x: torch.Tensor) -> torch.Tensor:
+    flat = x.view(-1)
+    flat[::7] = float("nan")
+    flat[3::11] = float("inf")
+    flat[5::13] = float("-inf")
+    flat[2::17] = 1e-45  # denormals
+    flat[4::19] = 3e38  # huge: x·scale overflows to inf
+    flat[6::23] = -0.0
+    return x
+
+
+SHAPES = [(4, 8, 12, 12), (3, 5, 7, 3), (5, 6), (2, 3, 13), (2, 3, 16), (1, 1, 40), (2, 4, 1)]
+
+
+@pytest.mark.skipif(cpu_lib.cpu_library() is None, reason="no C compiler here")
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("adversarial", [False, True])
+def test_compiled_path_is_bit_identical_to_the_reference(shape, adversarial):
+    x, scale, shift, bits = _case(shape)
+    if adversarial:
+        x = _adversarial(x)
+    got = mask_affine(x, scale, shift, bits, TINY, backend="cpu")
+    ref = mask_affine_ref(x, scale, shift, bits, TINY)
+    assert got.shape == x.shape and got.dtype == x.dtype
+    assert _same(got, ref)
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_masked_values_are_the_affine_map_at_least_tiny(backend):
+    x, scale, shift, _ = _case((3, 4, 5, 6))
+    keep = torch.rand(x.shape) < 0.5
+    got = mask_affine(x, scale, shift, mask_pack(keep), TINY, backend=backend)
+    affine = x * scale.view(1, -1, 1, 1) + shift.view(1, -1, 1, 1)
+    assert bool((got[~keep] == 0).all())
+    assert torch.equal(got[keep], affine[keep].clamp_min(TINY))
+    assert bool((got[keep] > 0).all())  # kept values never rounded to zero
+
+
+def test_nan_stays_nan_where_kept_and_zero_where_not():
+    x = torch.tensor([[float("nan"), float("nan"), float("inf"), -1.0]]).view(1, 4)
+    bits = mask_pack(torch.tensor([True, False, True, True]))
+    for backend in ("torch", "auto"):
+        got = mask_affine(x, torch.ones(4), torch.zeros(4), bits, TINY, backend=backend)
+        assert got[0, 0].isnan() and got[0, 1] == 0 and got[0, 2] == float("inf")
+        assert got[0, 3] == TINY
+
+
+def test_empty_non_contiguous_and_float64():
+    x, scale, shift, _ = _case((0, 3, 4))
+    assert mask_affine(x, scale, shift, mask_pack(x > 0), TINY).shape == (0, 3, 4)
+    x, scale, shift, bits = _case((4, 6, 10))
+    wide = torch.zeros(4, 6, 20)
+    wide[..., ::2] = x  # a strided view: same values
+    view = wide[..., ::2]
+    assert _same(
+        mask_affine(view, scale, shift, bits, TINY), mask_affine_ref(x, scale, shift, bits, TINY)
+    )
+    x64 = x.double()
+    got = mask_affine(x64, scale.double(), shift.double(), bits, torch.finfo(torch.float64).tiny)
+    assert got.dtype == torch.float64
