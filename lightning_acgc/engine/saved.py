@@ -28,7 +28,10 @@ class Saved:
     A reduction result whose backward compares it with its inputs (``amax`` and the
     others of :mod:`lightning_acgc.engine.exact`) stores nothing: ``recompute`` makes it
     from the values its inputs' holders ``sources`` unpack (:meth:`peek`; a tensor the
-    engine handed back as it is stands for itself).
+    engine handed back as it is stands for itself). So does a derived output
+    (:mod:`lightning_acgc.engine.derive`), whose sources may end with a stored mask (a
+    ReLU's, packed bits). A recomputed tensor, like a decoded one, is kept until the last
+    of its unpacks.
     """
 
     __slots__ = (
