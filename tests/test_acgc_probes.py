@@ -202,6 +202,33 @@ def test_probes_run_on_calibration_steps_and_leave_no_trace() -> None:
     assert fresh.probe_ratios(next(iter(state["probe_readings"]))) is not None
 
 
+def test_probes_that_do_not_fit_the_memory_budget_are_skipped() -> None:
+    """A probe keeps the other classes' tensors uncompressed. Under a memory budget that
+    the compressed pass fits and a probe does not (a batch raised into the freed memory),
+    the probes are skipped with a warning; training goes on and the promise holds."""
+    model = _model()
+    policy = build_policy("acgc", gradient_error=0.1, calibrate_every=2)
+    x = torch.randn(4, 16, 8, generator=torch.Generator().manual_seed(1))
+    engine = ActivationCompressor(
+        policy, model=model, settings=EngineSettings(min_numel=64), memory_budget=40_000
+    )
+    engine.install()
+    policy.setup(model)
+    try:
+        with pytest.warns(RuntimeWarning, match="probe did not fit in memory"):
+            for step in range(5):
+                model.zero_grad()
+                compressed_step(engine, model, lambda: model(x).square().mean(), step)
+                metrics = policy.metrics()
+                assert "probes" not in metrics, (step, metrics)
+                if "grad_error" in metrics:
+                    assert metrics["grad_error"] <= 0.1, (step, metrics)
+        assert engine.stats.saved_bytes > 40_000 > engine.stats.peak_live_bytes
+    finally:
+        engine.remove()
+        policy.teardown()
+
+
 class _AttentionModule(LightningModule):
     """:func:`_model` on fixed random sequences; records, per ``training_step`` call,
     whether it was a calibration re-run (an exact pass or a probe)."""

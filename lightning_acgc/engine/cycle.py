@@ -5,12 +5,13 @@ adapter both drive a :class:`CalibrationCycle`. No Lightning import here."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
-from lightning_acgc.engine.compressor import ActivationCompressor
+from lightning_acgc.engine.compressor import ActivationCompressor, MemoryBudgetError
 from lightning_acgc.engine.policy import Policy, Reduce
 
 __all__ = ["CalibrationCycle", "exact_gradients", "mean_over_ranks", "no_reduce", "no_side_effects"]
@@ -35,6 +36,16 @@ def no_side_effects(model: nn.Module) -> Iterator[None]:
         with torch.no_grad():
             for buf, saved in buffers:
                 buf.copy_(saved)
+
+
+def _warn_probes_skipped() -> None:
+    warnings.warn(
+        "lightning_acgc: a calibration probe did not fit in memory at this batch size "
+        "(it keeps most saved tensors uncompressed); its probes were skipped and the "
+        "policy's model guesses those sensitivities",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def exact_gradients(
@@ -202,6 +213,13 @@ class CalibrationCycle:
             grads = None
             try:
                 grads = exact_gradients(self.engine, model, compute_loss, compressed=True)
+            except (MemoryBudgetError, torch.OutOfMemoryError):
+                # A probe keeps every other class's tensors as they are: at a batch raised
+                # into the memory that compression freed it may not fit, where the step's
+                # own (compressed) pass does. The rest of the probes are skipped this
+                # calibration; the model's factors stand for them.
+                _warn_probes_skipped()
+                break
             finally:
                 if grads is not None:
                     grads = mean_over_ranks(grads, self.reduce, self.world_size)
