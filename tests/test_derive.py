@@ -75,6 +75,16 @@ def _grads(model: nn.Module, x: torch.Tensor, policy=None):
     return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()], stats
 
 
+def derived_matches_plain(model: nn.Module, x: torch.Tensor, rtol: float = 0, atol: float = 0):
+    """Gradients with every input kept and outputs derived equal plain's (to the
+    tolerances); the compressed step's stats."""
+    plain, _ = _grads(model, x)
+    derived, stats = _grads(model, x, Deriving(None))
+    for a, b in zip(derived, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+    return stats
+
+
 def _saved_pair(model: Mlp, x: torch.Tensor, policy) -> tuple[torch.Tensor, torch.Tensor]:
     """(what the activation's backward unpacks as its input, what the second Linear
     unpacks as its input), read through the graph's saved tensors."""
@@ -94,10 +104,7 @@ def _saved_pair(model: Mlp, x: torch.Tensor, policy) -> tuple[torch.Tensor, torc
 def test_kept_input_gives_plain_gradients_and_stores_no_output(name):
     torch.manual_seed(0)
     model, x = Mlp(ACTIVATIONS[name]), _inputs()
-    plain, _ = _grads(model, x)
-    derived, stats = _grads(model, x, Deriving(None))
-    for a, b in zip(derived, plain, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    stats = derived_matches_plain(model, x)
     rec = stats.sites["b:0"]
     assert rec.codec == "recomputed" and rec.packed_bytes == 0
     assert rec.settings.startswith(f"{ACTIVATIONS[name].__class__.__name__.lower()[:4]}")
@@ -120,10 +127,7 @@ def test_layer_norm_output_is_remade_from_its_input_and_exact_statistics():
     with torch.no_grad():
         model.norm.weight.uniform_(0.5, 2.0)
         model.norm.bias.uniform_(-1.0, 1.0)
-    plain, _ = _grads(model, x)
-    derived, stats = _grads(model, x, Deriving(None))
-    for a, b in zip(derived, plain, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    stats = derived_matches_plain(model, x, rtol=1e-5, atol=1e-6)
     rec = stats.sites["a:0"]
     assert rec.codec == "recomputed" and rec.derived_from == "norm:0"
     assert rec.settings == "layer_norm of norm:0"
@@ -192,10 +196,7 @@ def test_slice_views_of_the_output_are_placed():
 
     torch.manual_seed(0)
     model, x = Sliced(), _inputs()[0].detach().requires_grad_()
-    plain, _ = _grads(model, x)
-    derived, stats = _grads(model, x, Deriving(None))
-    for a, b in zip(derived, plain, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    stats = derived_matches_plain(model, x)
     assert [r.codec for r in stats.sites.values()].count("recomputed") == 2
 
 
@@ -219,10 +220,9 @@ def test_an_unrelated_output_of_the_same_shape_is_not_derived():
     out.sum().backward()
 
 
-def test_second_backward_and_freed_memory():
-    torch.manual_seed(0)
-    model, x = Mlp(nn.GELU(), norm=True), _inputs()
-    policy = Deriving(CodecSpec("quant", {"bits": 8}))
+def assert_second_backward_and_freed_memory(model: nn.Module, x: torch.Tensor, policy) -> None:
+    """A second backward through the retained graph gives the same gradients, and every
+    held byte is released with the graph."""
     with compress_activations(model=model, policy=policy) as stats:
         loss = model(x).square().mean()
     first = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
@@ -231,6 +231,12 @@ def test_second_backward_and_freed_memory():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     del loss
     assert stats.live_bytes == 0
+
+
+def test_second_backward_and_freed_memory():
+    torch.manual_seed(0)
+    model, x = Mlp(nn.GELU(), norm=True), _inputs()
+    assert_second_backward_and_freed_memory(model, x, Deriving(CodecSpec("quant", {"bits": 8})))
 
 
 def _record(key, module, module_type, codec="recomputed", **extra) -> SiteRecord:
@@ -282,20 +288,18 @@ def test_a_chain_of_derivations_joins_the_first_input():
     assert sens["ln:0"].other == pytest.approx(4 * 1.0 + 2.0 * 4 * 2.0)
 
 
-def test_acgc_derives_and_allocates_through_the_input():
-    """acgc on LayerNorm -> GELU -> Linear: the LayerNorm's and the GELU's outputs are
-    remade from the LayerNorm's input, which alone gets a width; the promise holds."""
+def acgc_after_calibration(model: nn.Module, x: torch.Tensor, e: float = 0.1):
+    """acgc(``e``) on ``model(x).square().mean()`` for its 4 warm-up calibrations: the
+    last step's site records, the policy, and the last gradient's relative error against
+    the exact one."""
     from lightning_acgc.engine import ActivationCompressor, EngineSettings
     from lightning_acgc.engine.step import compressed_step
     from lightning_acgc.policies.acgc import ACGCPolicy
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 4))
-    x = torch.randn(32, 16, 16)
     model.zero_grad()
     model(x).square().mean().backward()
     exact = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-    policy = ACGCPolicy(gradient_error=0.1, warmup_steps=4, calibrate_every=1000)
+    policy = ACGCPolicy(gradient_error=e, warmup_steps=4, calibrate_every=1000)
     engine = ActivationCompressor(policy, model=model, settings=EngineSettings(min_numel=0))
     engine.install()
     policy.setup(model)
@@ -306,10 +310,19 @@ def test_acgc_derives_and_allocates_through_the_input():
         sites = dict(engine.stats.sites)
     finally:
         engine.remove()
+    got = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    return sites, policy, float((got - exact).norm() / exact.norm())
+
+
+def test_acgc_derives_and_allocates_through_the_input():
+    """acgc on LayerNorm -> GELU -> Linear: the LayerNorm's and the GELU's outputs are
+    remade from the LayerNorm's input, which alone gets a width; the promise holds."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 4))
+    sites, policy, error = acgc_after_calibration(model, torch.randn(32, 16, 16))
     assert sites["2:0"].codec == "recomputed" and sites["2:0"].derived_from == "1:0"
     assert sites["3:0"].codec == "recomputed" and sites["3:0"].derived_from == "2:0"
     assert 0 < sites["3:0"].gain < 1.5
     assert "1:0" in policy.site_bits and not {"2:0", "3:0"} & set(policy.site_bits)
     assert policy.metrics()["grad_error"] <= 0.1
-    got = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-    assert float((got - exact).norm() / exact.norm()) <= 0.1
+    assert error <= 0.1

@@ -13,7 +13,13 @@ from lightning_acgc import compress_activations
 from lightning_acgc.codecs.spec import CodecSpec
 from lightning_acgc.engine.derive import Origin, derive_plan
 from lightning_acgc.policies.fixed import FixedPolicy
-from tests.test_derive import Deriving
+from tests.test_derive import (
+    Deriving,
+    _grads,
+    acgc_after_calibration,
+    assert_second_backward_and_freed_memory,
+    derived_matches_plain,
+)
 
 
 class ConvBnRelu(nn.Module):
@@ -35,22 +41,6 @@ def _inputs(seed: int = 0) -> torch.Tensor:
     return (torch.randn(4, 3, 12, 12, generator=g) * 2).requires_grad_()
 
 
-def _grads(model: nn.Module, x: torch.Tensor, policy=None, **settings):
-    model.zero_grad()
-    x.grad = None
-    stats = None
-    if policy is None:
-        loss = model(x).square().mean()
-    else:
-        keep = getattr(policy, "keep_all", False)
-        with compress_activations(
-            model=model, policy=policy, compress_loss=keep, **settings
-        ) as stats:
-            loss = model(x).square().mean()
-    loss.backward()
-    return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()], stats
-
-
 def _saved_relu(model: ConvBnRelu, x: torch.Tensor, policy) -> torch.Tensor:
     """What the ReLU's backward unpacks as its output."""
     with compress_activations(model=model, policy=policy):
@@ -66,10 +56,7 @@ def _saved_relu(model: ConvBnRelu, x: torch.Tensor, policy) -> torch.Tensor:
 def test_kept_input_gives_plain_gradients_and_stores_the_mask(affine, track):
     torch.manual_seed(0)
     model, x = ConvBnRelu(affine, track), _inputs()
-    plain, _ = _grads(model, x)
-    derived, stats = _grads(model, x, Deriving(None))
-    for a, b in zip(derived, plain, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    stats = derived_matches_plain(model, x, rtol=1e-5, atol=1e-6)
     relu = stats.sites["relu:0"]
     assert relu.codec == "recomputed" and relu.derived_from == "bn:0"
     assert relu.packed_bytes == 4 * 8 * 12 * 12 // 8  # the mask: 1 bit a value
@@ -124,10 +111,7 @@ def test_a_batch_norm_output_saved_by_the_next_op_is_derived():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.GELU(), nn.Linear(32, 4))
     x = torch.randn(64, 16).requires_grad_()
-    plain, _ = _grads(model, x)
-    derived, stats = _grads(model, x, Deriving(None))
-    for a, b in zip(derived, plain, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    stats = derived_matches_plain(model, x, rtol=1e-5, atol=1e-6)
     assert stats.sites["2:0"].codec == "recomputed" and stats.sites["2:0"].derived_from == "1:0"
     assert stats.sites["3:0"].codec == "recomputed" and stats.sites["3:0"].derived_from == "2:0"
     assert stats.sites["2:0"].packed_bytes == 0  # no mask: nothing stored
@@ -158,11 +142,8 @@ def test_something_saved_between_the_norm_and_the_relu_stops_the_derivation():
 
     torch.manual_seed(0)
     model, x = Between(), torch.randn(32, 16).requires_grad_()
-    plain, _ = _grads(model, x)
-    got, stats = _grads(model, x, Deriving(None))
+    stats = derived_matches_plain(model, x)
     assert all(r.codec != "recomputed" for r in stats.sites.values())
-    for a, b in zip(got, plain, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_derive_plan_of_a_relu_needs_a_batch_norm_input():
@@ -185,22 +166,12 @@ def test_derive_plan_of_a_relu_needs_a_batch_norm_input():
 def test_second_backward_and_freed_memory():
     torch.manual_seed(0)
     model, x = ConvBnRelu(), _inputs()
-    with compress_activations(model=model, policy=Deriving(CodecSpec("quant", {"bits": 4}))) as st:
-        loss = model(x).square().mean()
-    first = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
-    second = torch.autograd.grad(loss, list(model.parameters()))
-    for a, b in zip(first, second, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    del loss
-    assert st.live_bytes == 0
+    assert_second_backward_and_freed_memory(model, x, Deriving(CodecSpec("quant", {"bits": 4})))
 
 
 def test_acgc_on_a_resnet_block_keeps_its_promise():
     """acgc on conv-BN-ReLU-conv-BN + identity, ReLU: the first ReLU's output is remade
     (no width of its own), the second (after the add) is packed; the promise holds."""
-    from lightning_acgc.engine import ActivationCompressor, EngineSettings
-    from lightning_acgc.engine.step import compressed_step
-    from lightning_acgc.policies.acgc import ACGCPolicy
 
     class Block(nn.Module):
         def __init__(self) -> None:
@@ -216,26 +187,11 @@ def test_acgc_on_a_resnet_block_keeps_its_promise():
     model = nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1), Block(), Block(), nn.Flatten(), nn.Linear(8 * 64, 4)
     )
-    x = torch.randn(16, 3, 8, 8)
-    model.zero_grad()
-    model(x).square().mean().backward()
-    exact = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-    policy = ACGCPolicy(gradient_error=0.1, warmup_steps=4, calibrate_every=1000)
-    engine = ActivationCompressor(policy, model=model, settings=EngineSettings(min_numel=0))
-    engine.install()
-    policy.setup(model)
-    try:
-        for step in range(4):
-            model.zero_grad()
-            compressed_step(engine, model, lambda: model(x).square().mean(), step=step)
-        sites = dict(engine.stats.sites)
-    finally:
-        engine.remove()
+    sites, policy, error = acgc_after_calibration(model, torch.randn(16, 3, 8, 8))
     for block in ("1", "2"):
         r1 = sites[f"{block}.r1:0"]
         assert r1.codec == "recomputed" and r1.derived_from == f"{block}.n1:0"
         assert f"{block}.n1:0" in policy.site_bits and f"{block}.r1:0" not in policy.site_bits
         assert sites[f"{block}.r2:0"].codec != "recomputed"
     assert policy.metrics()["grad_error"] <= 0.1
-    got = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-    assert float((got - exact).norm() / exact.norm()) <= 0.1
+    assert error <= 0.1
