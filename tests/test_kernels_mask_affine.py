@@ -4,6 +4,9 @@ and the reference against its definition."""
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -88,3 +91,36 @@ def test_empty_non_contiguous_and_float64():
     x64 = x.double()
     got = mask_affine(x64, scale.double(), shift.double(), bits, torch.finfo(torch.float64).tiny)
     assert got.dtype == torch.float64
+
+
+def _compiled_variant(tmp_path, flags: list[str]):
+    """``mask.c`` built with extra ``flags`` (the AVX2 and the scalar paths, which the
+    machine's own build may not take), its ``acgc_mask_affine_f32`` via ctypes."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    source = Path(cpu_lib.__file__).with_name("csrc") / "mask.c"
+    target = tmp_path / f"mask{len(flags)}.so"
+    cmd = [compiler, *cpu_lib._FLAGS[:1], "-march=native", *flags, *cpu_lib._FLAGS[2:]]
+    subprocess.run([*cmd, str(source), "-o", str(target)], check=True, capture_output=True)
+    fn = ctypes.CDLL(str(target)).acgc_mask_affine_f32
+    fn.restype, fn.argtypes = cpu_lib._SIGNATURES["acgc_mask_affine_f32"]
+    return fn
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 flags")
+@pytest.mark.parametrize("flags", [["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2"]])
+def test_avx2_and_scalar_paths_match_the_reference(tmp_path, flags):
+    fn = _compiled_variant(tmp_path, flags)
+    for shape in SHAPES:
+        x, scale, shift, bits = _case(shape)
+        x = _adversarial(x)
+        out = torch.empty_like(x)
+        rows = shape[0] * shape[1]
+        fn(x.data_ptr(), rows, shape[1], x.numel() // rows, scale.data_ptr(), shift.data_ptr(),
+           bits.data_ptr(), TINY, out.data_ptr(), 2)  # fmt: skip
+        assert _same(out, mask_affine_ref(x, scale, shift, bits, TINY)), shape
