@@ -122,8 +122,8 @@ class ActivationCompressor(Recomputing):
         self._checks = PendingChecks(self._recharge)  # encodes whose device check is out
         self._dedup: dict[tuple, tuple[Any, weakref.ReferenceType]] = {}
         # the tensors saved last and what the engine returned for them (None: the tensor
-        # itself), oldest first: a reduction result saved next may need them
-        # (lightning_acgc.engine.exact)
+        # itself), oldest first: a reduction result or a derived output saved next may be
+        # made from them (engine/exact.py, engine/derive.py: a BatchNorm saves 6)
         self._recent: collections.deque = collections.deque(maxlen=8)  # of Recent
         self._site_hash: dict[str, int] = {}
         self._warned: set[str] = set()

@@ -38,16 +38,6 @@ def no_side_effects(model: nn.Module) -> Iterator[None]:
                 buf.copy_(saved)
 
 
-def _warn_probes_skipped() -> None:
-    warnings.warn(
-        "lightning_acgc: a calibration probe did not fit in memory at this batch size "
-        "(it keeps most saved tensors uncompressed); its probes were skipped and the "
-        "policy's model guesses those sensitivities",
-        RuntimeWarning,
-        stacklevel=3,
-    )
-
-
 def exact_gradients(
     engine: ActivationCompressor,
     model: nn.Module,
@@ -218,7 +208,13 @@ class CalibrationCycle:
                 # into the memory that compression freed it may not fit, where the step's
                 # own (compressed) pass does. The rest of the probes are skipped this
                 # calibration; the model's factors stand for them.
-                _warn_probes_skipped()
+                warnings.warn(
+                    "lightning_acgc: a calibration probe did not fit in memory at this "
+                    "batch size (it keeps most saved tensors uncompressed); its probes "
+                    "were skipped and the policy's model guesses those sensitivities",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
                 break
             finally:
                 if grads is not None:

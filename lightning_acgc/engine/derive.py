@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_acgc.kernels.mask import mask_affine, mask_unpack
+from lightning_acgc.kernels.mask import mask_affine
 
 __all__ = [
     "DERIVABLE_NODES",
@@ -333,10 +333,9 @@ def _relu_of_batch_norm(
             return place(mask_affine(x_hat, scale, shift, bits, tiny))
 
     def gain(x: Tensor, mean: Tensor, rstd: Tensor, bits: Tensor) -> float:
-        with torch.no_grad():
-            kept = mask_unpack(bits, x.numel()).view(x.shape)
-            passed = kept.sum(dim=[d for d in range(kept.dim()) if d != 1]).double()
-            return float((passed * _channel_gain(rstd, weight)).sum() / max(kept.numel(), 1))
+        with torch.no_grad():  # from the mask at hand (``bits`` is its packed copy)
+            passed = mask.sum(dim=[d for d in range(mask.dim()) if d != 1]).double()
+            return float((passed * _channel_gain(rstd, weight)).sum() / max(mask.numel(), 1))
 
     return Derivation(fn, (i, *stats), "relu of batch_norm", gain, kept=mask)
 
@@ -346,7 +345,11 @@ def derived_output(saved: torch.Tensor) -> bool:
     a ReLU's output that :func:`derive_plan` may remake (a cheap test, before any
     search)."""
     base = saved if saved._base is None else saved._base
-    return type(base.grad_fn).__name__ in DERIVABLE_NODES
+    kind = type(base.grad_fn).__name__
+    if kind == RELU_NODE:  # every ReLU output saved: only one of a BatchNorm's is remade
+        edges = base.grad_fn.next_functions  # type: ignore[union-attr]
+        return len(edges) == 1 and type(edges[0][0]).__name__ == BATCH_NORM_NODE
+    return kind in DERIVABLE_NODES
 
 
 def derive_plan(saved: torch.Tensor, recent: list[Origin]) -> Derivation | None:

@@ -85,21 +85,16 @@ class Saved:
     def _values(self, consume: bool) -> torch.Tensor:
         if self.raw is not None:
             return self.raw
-        if self.recompute is not None:  # kept for the unpacks still to come, as decoded
-            out = self.decoded
-            if out is None:
-                out = self.recompute(*(_peek(s) for s in self.sources))
-            self.pending -= int(consume)
-            self.decoded = out if self.pending > 0 else None
-            return out
         if self.chunk is not None:
             m, chunk = self.member, self.chunk
             assert m is not None
             flat = chunk.take(m.offset, m.numel) if consume else chunk.peek(m.offset, m.numel)
             return restore(flat.view(m.shape), self.layout)
-        assert self.codec is not None and self.packed is not None
-        out = self.decoded
-        if out is None:
+        out = self.decoded  # decoded or recomputed: kept for the unpacks still to come
+        if out is None and self.recompute is not None:
+            out = self.recompute(*(_peek(s) for s in self.sources))
+        elif out is None:
+            assert self.codec is not None and self.packed is not None
             out = restore(self.codec.decode(self.packed), self.layout)
         self.pending -= int(consume)
         self.decoded = out if self.pending > 0 else None
