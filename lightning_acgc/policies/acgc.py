@@ -62,7 +62,6 @@ from lightning_acgc.codecs.base import Codec
 from lightning_acgc.codecs.spec import CodecSpec
 from lightning_acgc.engine.meter import SiteRecord
 from lightning_acgc.engine.sites import SiteInfo
-from lightning_acgc.kernels.quant import stored_meta
 from lightning_acgc.policies import error_model
 from lightning_acgc.policies._acgc_stats import module_norms, per_module_sq, reduce_tables
 from lightning_acgc.policies._schedule import check_int
@@ -79,6 +78,7 @@ from lightning_acgc.policies.acgc_nonzero import NonzeroLayout, rounding_table
 from lightning_acgc.policies.acgc_probes import SensitivityProbes
 from lightning_acgc.policies.acgc_state import ACGCState
 from lightning_acgc.policies.base import Reduce
+from lightning_acgc.policies.batch_norm_path import BatchNormPaths
 from lightning_acgc.policies.bit_allocation import HALF, KEEP, LADDER
 from lightning_acgc.policies.calibrating import CalibratingPolicy
 
@@ -196,6 +196,7 @@ class ACGCPolicy(
             self.layer_floor = float(layer_floor)
         self.config = config or CodecSpec(codec)
         super().__init__()
+        self.stats.batch_norm = BatchNormPaths()
         self._meta = quant_meta_options() if codec == "quant" else {}
         self._meta_bits = self._group_meta_bits("cpu")
         self.bounds: dict[str, float] = {}
@@ -277,7 +278,7 @@ class ACGCPolicy(
                 reduce, grad_sq, layer, {"": sum(module_sq.values())}
             )
             if self._structure:
-                self._calibrate(grad_sq, g_sq[""], layer)
+                self._calibrate(grad_sq, g_sq[""], layer, reduce)
             elif self._noise_rho is not None:
                 self._update_target(g_sq[""])
         self._calib_s += self._lap()
@@ -309,7 +310,7 @@ class ACGCPolicy(
             self._measure_layers(module_g, module_err, g_sq, change)
         elif self._exact is None and g_sq > 0:
             # cheap mode: settings for the next steps (module_g is the compressed gradient's)
-            self._calibrate(grad_sq, g_sq, self._held_modules(module_g))
+            self._calibrate(grad_sq, g_sq, self._held_modules(module_g), reduce)
         self._calib_s += self._lap()
         self._log()
 
@@ -333,15 +334,12 @@ class ACGCPolicy(
             if type(m).__name__ in error_model.NORM_TYPES and getattr(m, "weight", None) is not None
         ]
 
-    def _group_meta_bits(self, device_type: str) -> int:
-        """Bits of one group's metadata as the quant kernels write it on that device."""
-        meta = self._meta.get("meta", "fp32")
-        return 32 if stored_meta(meta, device_type, self.config.backend) == "bf16" else 64
-
-    def _calibrate(self, grad_sq: dict[str, float], g_sq: float, layer: dict[str, float]) -> None:
+    def _calibrate(self, grad_sq: dict, g_sq: float, layer: dict, reduce: Reduce | None) -> None:
+        paths = self.stats.batch_norm_tables(self._exact, grad_sq, reduce)  # BatchNorm δ paths
         sens = error_model.tensor_sensitivities(
-            self._structure, grad_sq, self.stats.fan_in, self._inv_var, self._norm_params
-        )
+            self._structure, grad_sq, self.stats.fan_in, self._inv_var, self._norm_params,
+            paths, exact_masks=self.codec == "quant",
+        )  # fmt: skip
         inv = 1.0 / g_sq if g_sq > 0 else 1.0  # kept relative to this step's ‖g‖² (_allocate)
         for key, s in sens.items():
             self._sens.setdefault(key, deque(maxlen=self.history)).append(
@@ -393,6 +391,6 @@ class ACGCPolicy(
         args = (layer_sq, g_sq, e_sq, self.tensor_lam, self._own_scale, share)
         meta = self._meta_bits / self.group_size
         widths, self.site_split = quant_allocation(
-            sens, self._variances, *args, self._raw_bits, meta, self.floors(), self.nonzero_shares()
+            sens, self._variances, *args, self._raw_bits, meta, *self.width_limits()
         )
         self.site_bits = {**self.site_bits, **widths}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from lightning_acgc.codecs.registry import codec_config_class
@@ -240,6 +240,7 @@ def quant_allocation(
     overhead: float,
     floors: dict[str, int] | None = None,
     densities: dict[str, float] | None = None,
+    exact: Collection[str] = (),
 ) -> tuple[dict[str, int], dict[str, float]]:
     """Widths of the ``quant`` codec (``KEEP``: not compressed) for the tensors with a
     measured variance table (``variances[t][i]``: per-element variance at ``LADDER[i]``),
@@ -255,7 +256,9 @@ def quant_allocation(
     ``floors``: smallest width per tensor from measured per-layer errors
     (:mod:`lightning_acgc.policies.acgc_floors`). ``densities``: per tensor stored by the
     ``nonzero`` codec, its share of non-zero values (what its widths cost: a mask bit
-    per value, the width for that share).
+    per value, the width for that share). ``exact``: tensors whose sensitivity is 0
+    because the model knows their rounding adds no error at or above their floor (a
+    ReLU output read only through its mask): at the floor, not ``SAFE_WIDTH``.
 
     Widths step coarsely (a bit is about 4x the variance), so the smallest width that
     meets a budget lands anywhere between a quarter of it and all of it; what is left,
@@ -273,8 +276,8 @@ def quant_allocation(
         v = dict(zip(LADDER, variances[key], strict=True))
         own, orphan = _own_budgets(weights, parts[key])
         factor = sum(weights.values()) - orphan + lam(key) * (other + orphan)
-        width = SAFE_WIDTH if factor <= 0 else joint[key]
         floor = (floors or {}).get(key, LADDER[0])
+        width = (floor if key in exact else SAFE_WIDTH) if factor <= 0 else joint[key]
         sizes.append(n)
         errors.append({b: factor * v[b] for b in LADDER})
         mins.append(max(width, floor, key=ORDER.index))

@@ -48,6 +48,7 @@ ORDER = (*LADDER, KEEP)  # widths from the least to the most bits
 # is the model's guess, and one width step (2-4x the error) rarely lands exactly; a floor
 # that falls short costs another calibration over budget, one too high loosens later.
 MARGIN = 2.0
+MASK_FLOOR = 2  # quant keeps a ReLU output's mask (zeros, positives) at 2 bits and more
 
 
 def parent(module: str) -> str:
@@ -74,8 +75,8 @@ class ScopeFloors:
     smallest width) and ``_floor_scopes`` (site key → the scope that set its floor) from the
     per-layer readings, and each tensor's modelled variance under the settings in force.
     Uses ``site_bits``, ``site_split``, ``bounds``, ``codec``, ``_variances``, ``_sens``,
-    ``_raw_bits``, ``_inv_var``, ``_saturating``, ``initial_width``, ``other_factor`` and
-    ``probe_floors``, ``nonzero_shares``."""
+    ``_raw_bits``, ``_inv_var``, ``_saturating``, ``_step_sens``, ``initial_width``,
+    ``other_factor``, ``probe_floors`` and ``nonzero_shares``."""
 
     def _variance(self, key: str) -> float:
         """Modelled error variance per element of tensor ``key`` under the settings (a
@@ -214,13 +215,26 @@ class ScopeFloors:
         """The smallest width per tensor the allocation must respect: the measured floors,
         the probes' (:mod:`~lightning_acgc.policies.acgc_probes`), and
         :data:`~lightning_acgc.policies.error_model.BIAS_FLOOR` for the saved outputs of
-        saturating activations (a bias, not a variance: the error model does not see it)."""
+        saturating activations (a bias, not a variance: the error model does not see it), and
+        ``MASK_FLOOR`` for ReLU outputs the model counts exact in their ReLU's backward
+        (quant keeps zeros and positives apart from 2 bits up, not at 1)."""
         floors = dict(getattr(self, "_floors", None) or {})
         for key, width in self.probe_floors().items():  # acgc_probes: PROBE_WIDTH
             floors[key] = max(floors.get(key, LADDER[0]), width, key=ORDER.index)
         for key in self._saturating:
             floors[key] = max(floors.get(key, LADDER[0]), BIAS_FLOOR, key=ORDER.index)
+        for key, sens in getattr(self, "_step_sens", {}).items():
+            if sens.keeps_mask:  # the model counts its ReLU's backward exact: its mask kept
+                floors[key] = max(floors.get(key, LADDER[0]), MASK_FLOOR, key=ORDER.index)
         return floors
+
+    def width_limits(self) -> tuple[dict[str, int], dict[str, float], set[str]]:
+        """What :func:`~.acgc_allocation.quant_allocation` reads besides the model: the
+        :meth:`floors`, the ``nonzero`` codec's shares, and the tensors read only through
+        their mask (a ReLU output nothing else saves: exact at its floor)."""
+        step = getattr(self, "_step_sens", {})
+        exact = {k for k, s in step.items() if s.keeps_mask and s.mask_only}
+        return self.floors(), self.nonzero_shares(), exact
 
     def _structure_numel(self, key: str) -> int:
         readings = self._sens.get(key)

@@ -22,6 +22,7 @@ import torch
 from lightning_acgc.codecs.base import Codec
 from lightning_acgc.codecs.quant import QuantWidthConfig
 from lightning_acgc.kernels import nonzero as nk
+from lightning_acgc.kernels.quant import stored_meta
 from lightning_acgc.policies.quant_error import sr_variance
 
 __all__ = ["NONZERO_MAX_SHARE", "NonzeroLayout", "rounding_table"]
@@ -78,3 +79,8 @@ class NonzeroLayout:
         if low_share:
             return self._codec("split", low_share=low_share, **options)
         return self._codec("quant", QuantWidthConfig, **options)
+
+    def _group_meta_bits(self, device_type: str) -> int:
+        """Bits of one group's metadata as the quant kernels write it on that device."""
+        meta = self._meta.get("meta", "fp32")
+        return 32 if stored_meta(meta, device_type, self.config.backend) == "bf16" else 64

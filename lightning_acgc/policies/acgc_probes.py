@@ -202,6 +202,8 @@ class SensitivityProbes:
         (the rest for errors reaching it through δ, which the model guesses), or
         ``PROBED_SHARE`` once every candidate class has a probe reading (what reaches a
         layer through δ is then measured and in its own budget)."""
+        if not any(o > 0 for _, _, o in self.probed_all(average(self._sens)).values()):
+            return PROBED_SHARE  # nothing reaches a layer by a guess (BatchNorm: modelled)
         if self.max_probes and self._probe_readings:
             candidates = self._probe_candidates()
             if candidates and all(c in self._probed_at for c in candidates):

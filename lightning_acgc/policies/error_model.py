@@ -33,6 +33,7 @@ from lightning_acgc.engine.sites import NORM_TYPES, is_norm_statistic
 __all__ = [
     "NORM_TYPES",
     "TensorSensitivity",
+    "batch_norm_entries",
     "is_batch_norm_input",
     "is_norm_statistic",
     "norm_inv_var",
@@ -43,6 +44,9 @@ __all__ = [
 # Codec names that mean "not chosen by the policy" in a SiteRecord (a tensor the policy
 # itself chose to keep, settings "policy", is the policy's and stays in the model).
 NOT_POLICY = ("kept", "mask")
+# Ops whose backward reads their saved tensor only through which values are zero (ReLU)
+# or not at all (a max pool reads its indices).
+MASK_READERS = frozenset({"ReLU", "MaxPool1d", "MaxPool2d", "MaxPool3d"})
 
 
 def _policy_packed(rec: SiteRecord) -> bool:
@@ -60,10 +64,17 @@ class TensorSensitivity:
     weight: float = 0.0  # from weight ops (analytic)
     other: float = 0.0  # from the remaining ops (heuristic)
     weight_by_module: dict[str, float] = field(default_factory=dict)  # weight, per op
+    keeps_mask: bool = False  # a ReLU output whose δ path is exact only while its mask is
+    mask_only: bool = True  # every op that saved it reads only its mask (or nothing)
 
     @property
     def total(self) -> float:
         return self.weight + self.other
+
+    def add(self, module: str, c: float) -> None:
+        """Add ``c`` to the factor of weight op (or affine norm) ``module``."""
+        self.weight += c
+        self.weight_by_module[module] = self.weight_by_module.get(module, 0.0) + c
 
 
 def tensor_sensitivities(
@@ -72,26 +83,34 @@ def tensor_sensitivities(
     fan_in: dict[str, int],
     inv_var: dict[str, float] | None = None,
     norm_params: Collection[str] = (),
+    batch_norm: dict[str, dict[str, float]] | None = None,
+    exact_masks: bool = False,
 ) -> dict[str, TensorSensitivity]:
     """Sensitivity of every policy-packed tensor of a step.
 
-        Args:
-            records: the step's site records (``engine.stats.sites``).
-            grad_sq: squared output-gradient norm by module name (``GradientStats.stop``).
-            fan_in: fan-in by module name for weight ops.
-            inv_var: 1 / variance of the saved input, by site key, for normalization sites.
-            norm_params: normalization modules with an affine weight. Their saved input's error
-                (relative to its spread) also enters their own weight gradient directly
-                (dγ = Σ δ·x̂): that part, ``‖δ‖²/var``, is counted as theirs in
-                ``weight_by_module`` besides the part passed on through δ.
+    Args:
+        records: the step's site records (``engine.stats.sites``).
+        grad_sq: squared output-gradient norm by module name (``GradientStats.stop``).
+        fan_in: fan-in by module name for weight ops.
+        inv_var: 1 / variance of the saved input, by site key, for normalization sites.
+        norm_params: normalization modules with an affine weight. Their saved input's error
+            (relative to its spread) also enters their own weight gradient directly
+            (dγ = Σ δ·x̂): that part, ``‖δ‖²/var``, is counted as theirs in
+            ``weight_by_module`` besides the part passed on through δ.
+        batch_norm: :meth:`~lightning_acgc.policies.batch_norm_path.BatchNormPaths.tables`
+            of this step. A training-mode BatchNorm's input found there reaches every
+            weight op before it (an entry per op, see that module), instead of the
+            heuristic factor.
+        exact_masks: the policy keeps a ReLU output's mask exact (zeros stay zeros,
+            positives stay positive: quant at 2 bits or more, or a remade output), so
+            the ReLU's backward, which reads only that mask, adds no error; nor does a
+            max pool's (it reads its indices). Their sites add nothing; the holders of
+            ReLU outputs stored by the policy itself get ``keeps_mask``.
 
-        Example:
-            >>> import torch
-
-    from lightning_acgc.engine.meter import SiteRecord
-            >>> rec = SiteRecord("fc:0", "fc", "Linear", (8, 4), "float32", "bounded", "")
-            >>> tensor_sensitivities({"fc:0": rec}, {"fc": 2.0}, {"fc": 4})["fc:0"].weight
-            8.0
+    Example:
+        >>> rec = SiteRecord("fc:0", "fc", "Linear", (8, 4), "float32", "bounded", "")
+        >>> tensor_sensitivities({"fc:0": rec}, {"fc": 2.0}, {"fc": 4})["fc:0"].weight
+        8.0
     """
     fallback = max(grad_sq.values(), default=0.0)
     mean_fan_in = sum(fan_in.values()) / len(fan_in) if fan_in else 1.0
@@ -103,39 +122,70 @@ def tensor_sensitivities(
         for d in rec.shape:
             numel *= d
         out[rec.key] = TensorSensitivity(rec.key, numel)
+    tables = batch_norm or {}
     for rec in records.values():
-        key, gain = _holder(records, rec)
+        key, gain, derived = _holder(records, rec)
         root = out.get(key)
         if root is None:
             continue
         delta_sq = gain * (grad_sq.get(rec.module, fallback) if rec.module else fallback)
+        root.mask_only &= exact_masks and rec.module_type in MASK_READERS
         if rec.module in fan_in:
-            c = fan_in[rec.module] * delta_sq
-            root.weight += c
-            root.weight_by_module[rec.module] = root.weight_by_module.get(rec.module, 0.0) + c
+            root.add(rec.module, fan_in[rec.module] * delta_sq)
+            continue
+        scale = (inv_var or {}).get(rec.key, 1.0) if rec.module_type in NORM_TYPES else 1.0
+        path = tables.get(rec.module, {}) if "BatchNorm" in rec.module_type else {}
+        if exact_masks and rec.module_type in MASK_READERS:
+            root.keeps_mask |= rec.module_type == "ReLU" and not derived
+        elif "propagated" in path:
+            for m, c in batch_norm_entries(path, tables, fan_in, grad_sq).items():
+                root.add(m, c * gain)
         else:
-            scale = (inv_var or {}).get(rec.key, 1.0) if rec.module_type in NORM_TYPES else 1.0
             root.other += mean_fan_in * delta_sq * scale
-            if rec.module in norm_params and rec.module_type in NORM_TYPES:
-                c = delta_sq * scale
-                root.weight += c
-                root.weight_by_module[rec.module] = root.weight_by_module.get(rec.module, 0.0) + c
+        if rec.module in norm_params and rec.module_type in NORM_TYPES:
+            root.add(rec.module, delta_sq * scale)
     return out
 
 
-def _holder(records: dict[str, SiteRecord], rec: SiteRecord) -> tuple[str, float]:
+def batch_norm_entries(
+    path: dict[str, float],
+    tables: dict[str, dict[str, float]],
+    fan_in: dict[str, int],
+    grad_sq: dict[str, float],
+) -> dict[str, float]:
+    """A BatchNorm input's factor per weight op (``path``: its row of ``tables``, see
+    :mod:`~lightning_acgc.policies.batch_norm_path`): each op m before it in the forward
+    gets ``r²·fan_in_m·‖δ_m‖²·E[x_m²]``; the op that made the input also the coherent part.
+
+    Example:
+        >>> tables = {"conv": {"order": 0.0, "input_sq": 2.0},
+        ...           "bn": {"order": 1.0, "propagated": 0.5, "local": 3.0, "local_order": 0.0}}
+        >>> batch_norm_entries(tables["bn"], tables, {"conv": 4}, {"conv": 1.0})
+        {'conv': 7.0}
+    """
+    out: dict[str, float] = {}
+    for m, row in tables.items():
+        if m in fan_in and "input_sq" in row and row["order"] < path["order"]:
+            out[m] = path["propagated"] * fan_in[m] * grad_sq.get(m, 0.0) * row["input_sq"]
+            if row["order"] == path["local_order"]:
+                out[m] += path["local"]
+    return out
+
+
+def _holder(records: dict[str, SiteRecord], rec: SiteRecord) -> tuple[str, float, bool]:
     """The site whose tensor holds ``rec``'s values (through shared tensors and derived
-    outputs, a GELU of a LayerNorm's output of a compressed input) and the product of the
-    derivations' gains on the way."""
-    key, gain = rec.shared_with or rec.key, 1.0
+    outputs, a GELU of a LayerNorm's output of a compressed input), the product of the
+    derivations' gains on the way, and whether there was one."""
+    key, gain, derived = rec.shared_with or rec.key, 1.0, False
     for _ in range(len(records)):
         held = records.get(key)
         if held is None or not (held.shared_with or held.derived_from):
             break
         if held.derived_from:
             gain *= held.gain
+            derived = True
         key = held.shared_with or held.derived_from or key
-    return key, gain
+    return key, gain, derived
 
 
 def is_batch_norm_input(module_type: str, x: torch.Tensor) -> bool:

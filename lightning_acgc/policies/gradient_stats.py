@@ -15,6 +15,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_acgc.policies.base import Reduce
+from lightning_acgc.policies.batch_norm_path import BatchNormPaths, Tables, reduced
+
 __all__ = ["GradientStats", "weight_fan_in"]
 
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -59,10 +62,14 @@ class GradientStats:
         self._modules: list[tuple[str, nn.Module]] = []
         self._handles: list[RemovableHandle] = []
         self._pending: list[tuple[str, torch.Tensor]] = []
+        # set by a policy that models BatchNorm inputs' δ path (acgc): read alongside
+        self.batch_norm: BatchNormPaths | None = None
 
     def setup(self, model: nn.Module) -> None:
         self._modules = list(model.named_modules())
         self.fan_in = {name: f for name, m in self._modules if (f := weight_fan_in(m)) is not None}
+        if self.batch_norm is not None:
+            self.batch_norm.setup(model, self.fan_in)
 
     @property
     def active(self) -> bool:
@@ -72,6 +79,8 @@ class GradientStats:
         """Begin gathering (clears the previous totals)."""
         self.grad_sq = {}
         self._pending = []
+        if self.batch_norm is not None:
+            self.batch_norm.start()
         if not self._handles:
             for name, module in self._modules:
                 self._handles.append(module.register_forward_hook(self._on_output(name)))
@@ -81,10 +90,21 @@ class GradientStats:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self.batch_norm is not None:
+            self.batch_norm.stop()
         for name, sq in self._pending:
             self.grad_sq[name] = self.grad_sq.get(name, 0.0) + float(sq)
         self._pending = []
         return dict(self.grad_sq)
+
+    def batch_norm_tables(
+        self, grads: dict[str, torch.Tensor] | None, grad_sq: dict, reduce: Reduce | None
+    ) -> Tables:
+        """:meth:`BatchNormPaths.tables` of the last calibration, averaged over ranks
+        (empty without ``batch_norm``)."""
+        if self.batch_norm is None:
+            return {}
+        return reduced(self.batch_norm.tables(grads or {}, grad_sq), reduce)
 
     def _on_output(self, name: str):
         def hook(module: nn.Module, args: object, output: object) -> None:
