@@ -4,9 +4,12 @@ For an op that computes a weight gradient from its saved input (linear, conv), a
 zero-mean error of variance σ² per input element adds ``σ²·fan_in·‖δ‖²`` to
 ``E‖Δg_W‖²`` (δ: the op's output gradient) — exact in expectation. Other ops (norms,
 activations, attention) pass the error on into upstream gradients; for them we use
-``‖δ‖²`` times the mean fan-in of the model's weight ops as the factor. The input of a
-normalization (BatchNorm, LayerNorm, GroupNorm) is re-normalized in backward, so an
-error there counts relative to the input's spread: its factor is also divided by the
+``‖δ‖²`` times the mean fan-in of the model's weight ops as the factor, except where the
+path is known: a training-mode BatchNorm's input reaches every weight op before it
+(:mod:`~lightning_acgc.policies.batch_norm_path`, an entry per op), and a ReLU's or a max
+pool's own save adds nothing where the codec keeps the ReLU mask (``exact_masks``). The
+input of a normalization (BatchNorm, LayerNorm, GroupNorm) is re-normalized in backward,
+so an error there counts relative to the input's spread: its factor is also divided by the
 input's variance; for an affine norm, the direct part in its own weight gradient is
 counted as that module's (the AC-GC policy holds each layer to e, and a norm's γ
 gradient is small but sees its own input's error fully). The AC-GC policy corrects the
