@@ -48,12 +48,17 @@ SHAPES = [(4, 8, 12, 12), (3, 5, 7, 3), (5, 6), (2, 3, 13), (2, 3, 16), (1, 1, 4
 @pytest.mark.skipif(cpu_lib.cpu_library() is None, reason="no C compiler here")
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("adversarial", [False, True])
-def test_compiled_path_is_bit_identical_to_the_reference(shape, adversarial):
+@pytest.mark.parametrize("residual", [False, True])
+def test_compiled_path_is_bit_identical_to_the_reference(shape, adversarial, residual):
     x, scale, shift, bits = _case(shape)
     if adversarial:
         x = _adversarial(x)
-    got = mask_affine(x, scale, shift, bits, TINY, backend="cpu")
-    ref = mask_affine_ref(x, scale, shift, bits, TINY)
+    addend = None
+    if residual:
+        addend = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+        addend.view(-1)[1::9] = float("-inf")
+    got = mask_affine(x, scale, shift, bits, TINY, addend, backend="cpu")
+    ref = mask_affine_ref(x, scale, shift, bits, TINY, addend)
     assert got.shape == x.shape and got.dtype == x.dtype
     assert _same(got, ref)
 
@@ -67,6 +72,17 @@ def test_masked_values_are_the_affine_map_at_least_tiny(backend):
     assert bool((got[~keep] == 0).all())
     assert torch.equal(got[keep], affine[keep].clamp_min(TINY))
     assert bool((got[keep] > 0).all())  # kept values never rounded to zero
+
+
+def test_the_residual_branch_is_added_before_the_mask():
+    x, scale, shift, _ = _case((2, 3, 4, 5))
+    addend = torch.randn(x.shape)
+    keep = torch.rand(x.shape) < 0.5
+    for backend in ("torch", "auto"):
+        got = mask_affine(x, scale, shift, mask_pack(keep), TINY, addend, backend=backend)
+        total = x * scale.view(1, -1, 1, 1) + shift.view(1, -1, 1, 1) + addend
+        assert torch.equal(got[keep], total[keep].clamp_min(TINY))
+        assert bool((got[~keep] == 0).all())
 
 
 def test_nan_stays_nan_where_kept_and_zero_where_not():
@@ -119,8 +135,10 @@ def test_avx2_and_scalar_paths_match_the_reference(tmp_path, flags):
     for shape in SHAPES:
         x, scale, shift, bits = _case(shape)
         x = _adversarial(x)
-        out = torch.empty_like(x)
         rows = shape[0] * shape[1]
-        fn(x.data_ptr(), rows, shape[1], x.numel() // rows, scale.data_ptr(), shift.data_ptr(),
-           bits.data_ptr(), TINY, out.data_ptr(), 2)  # fmt: skip
-        assert _same(out, mask_affine_ref(x, scale, shift, bits, TINY)), shape
+        for add in (None, torch.randn(shape)):  # without and with a residual addend
+            out = torch.empty_like(x)
+            fn(x.data_ptr(), rows, shape[1], x.numel() // rows, scale.data_ptr(),
+               shift.data_ptr(), None if add is None else add.data_ptr(), bits.data_ptr(),
+               TINY, out.data_ptr(), 2)  # fmt: skip
+            assert _same(out, mask_affine_ref(x, scale, shift, bits, TINY, add)), shape

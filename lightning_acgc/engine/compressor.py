@@ -123,8 +123,9 @@ class ActivationCompressor(Recomputing):
         self._dedup: dict[tuple, tuple[Any, weakref.ReferenceType]] = {}
         # the tensors saved last and what the engine returned for them (None: the tensor
         # itself), oldest first: a reduction result or a derived output saved next may be
-        # made from them (engine/exact.py, engine/derive.py: a BatchNorm saves 6)
-        self._recent: collections.deque = collections.deque(maxlen=8)  # of Recent
+        # made from them (engine/exact.py, engine/derive.py: a BatchNorm saves 6; a
+        # residual sum's ReLU reaches back to the block's input, 48 saves in a bottleneck)
+        self._recent: collections.deque = collections.deque(maxlen=48)  # of Recent
         self._site_hash: dict[str, int] = {}
         self._warned: set[str] = set()
         self._paused = 0

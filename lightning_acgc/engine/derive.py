@@ -9,14 +9,9 @@ its mean and 1/σ, and the Linear after it saves its output. A policy that sets
 with its exact saved statistics). On BERT-base the GELU outputs were a fifth of acgc's
 kept bytes, the LayerNorm outputs a ninth.
 
-A training-mode BatchNorm saves its input and its per-channel mean and 1/σ too; the op
-after it (a GELU, a Linear) may save its output, remade the same way. ResNet's
-conv-BN-ReLU is the common case: the ReLU saves its output ``relu(BN(x))``, which the
-next conv saves as its input. It is remade as ``relu(BN(x̂))`` with the ReLU's mask
-(``y > 0``) kept exactly at 1 bit a value (``Derivation.kept``): the ReLU's backward
-passes exactly the elements it passed, and the conv sees ``x``'s rounding through the
-BatchNorm's scale. On ResNet-18 (quick) the ReLU outputs after ``bn1`` were a fifth of
-acgc's kept bytes.
+Training-mode BatchNorm outputs, and ReLU outputs of a BatchNorm (ResNet's conv-BN-ReLU,
+with the ReLU's mask kept exactly), are remade the same way: see
+:mod:`lightning_acgc.engine.derive_batch_norm`.
 
 ``y``'s error is then ``f'(x)·(x̂ − x)`` (LayerNorm: ``(x̂ − x)·γ/σ``): ``x``'s rounding
 times ``f'(x)²`` in variance. :attr:`Derivation.gain` measures that factor's mean (about
@@ -35,13 +30,18 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
 
-from lightning_acgc.kernels.mask import mask_affine
+from lightning_acgc.engine.derive_batch_norm import (
+    ADD_NODE,
+    BATCH_NORM_NODE,
+    RELU_NODE,
+    batch_norm_output,
+    relu_output,
+)
+from lightning_acgc.engine.derive_graph import Derivation, Origin, affine_param, find, placed
 
 __all__ = [
     "DERIVABLE_NODES",
@@ -105,95 +105,26 @@ ELEMENTWISE_NODES: dict[str, Callable[[object], Fn]] = {
     "EluBackward0": _elu,
 }
 LAYER_NORM_NODE = "NativeLayerNormBackward0"
-BATCH_NORM_NODE = "NativeBatchNormBackward0"  # training mode on CPU (not cuDNN's)
-RELU_NODE = "ReluBackward0"  # saves its output: derived where its input is a BatchNorm's
 DERIVABLE_NODES = frozenset({*ELEMENTWISE_NODES, LAYER_NORM_NODE, BATCH_NORM_NODE, RELU_NODE})
-
-
-class Origin(NamedTuple):
-    """Where a saved tensor came from, without holding it: the autograd node that made it
-    and its output slot (or, for a leaf, the leaf itself), its shape, dtype and device."""
-
-    node: object | None
-    slot: int
-    shape: torch.Size
-    dtype: torch.dtype
-    device: torch.device
-    leaf: torch.Tensor | None
-
-    @classmethod
-    def of(cls, t: torch.Tensor) -> Origin:
-        node = t.grad_fn
-        leaf = t if node is None and t.requires_grad else None
-        return cls(node, t.output_nr if node is not None else 0, t.shape, t.dtype, t.device, leaf)
-
-    def made(self, edge: tuple[object, int]) -> bool:
-        """Whether the graph ``edge`` leads to this tensor (its node and output slot, or
-        the leaf it accumulates into)."""
-        node, slot = edge
-        if node is None:
-            return False
-        if self.node is not None:
-            return node is self.node and slot == self.slot
-        return self.leaf is not None and getattr(node, "variable", None) is self.leaf
-
-    def like(self, t: torch.Tensor) -> bool:
-        return self.shape == t.shape and self.dtype == t.dtype and self.device == t.device
-
-
-class Derivation(NamedTuple):
-    """``fn(*values of recent[i] for i in sources)`` is the saved tensor (its sizes,
-    strides and offset); ``gain(*the same values, raw)`` is the mean factor from the first
-    source's rounding variance to the result's; ``name`` says what remakes it. Where
-    ``kept`` is a tensor (a ReLU's mask, bool), the engine stores it packed at 1 bit a
-    value (:func:`~lightning_acgc.kernels.mask.mask_pack`) and passes the packed bits to
-    ``fn`` and ``gain`` after the sources' values."""
-
-    fn: Callable[..., torch.Tensor]
-    sources: tuple[int, ...]
-    name: str
-    gain: Callable[..., float]
-    kept: torch.Tensor | None = None
-
-
-def _placed(saved: torch.Tensor, base: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The view ``saved`` of the contiguous ``base``, taken of a tensor laid out as it."""
-    size, stride = tuple(saved.shape), saved.stride()
-    offset = saved.storage_offset() - base.storage_offset()
-    return lambda out: out.contiguous().as_strided(size, stride, offset)
-
-
-def _find(recent: list[Origin], edge: tuple[object, int], base: torch.Tensor) -> int | None:
-    for i in range(len(recent) - 1, -1, -1):
-        if recent[i].like(base) and recent[i].made(edge):
-            return i
-    return None
 
 
 def _activation(saved: torch.Tensor, base: torch.Tensor, recent: list[Origin]) -> Derivation | None:
     node = base.grad_fn
     if len(node.next_functions) != 1:  # type: ignore[union-attr]
         return None
-    i = _find(recent, node.next_functions[0], base)  # type: ignore[union-attr]
+    i = find(recent, node.next_functions[0], base)  # type: ignore[union-attr]
     if i is None:
         return None
-    forward, place = ELEMENTWISE_NODES[type(node).__name__](node), _placed(saved, base)
+    forward, place = ELEMENTWISE_NODES[type(node).__name__](node), placed(saved, base)
 
     def fn(x_hat: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return place(forward(x_hat))
 
-    return Derivation(fn, (i,), forward.__name__, lambda x: derivative_gain(forward, x))
+    def gain(x: torch.Tensor | None) -> float:
+        return 1.0 if x is None else derivative_gain(forward, x)
 
-
-def _affine(edge: tuple[object, int]) -> torch.Tensor | bool | None:
-    """The parameter a LayerNorm's weight or bias edge accumulates into; None where it has
-    none; False where it is computed (not a leaf: not remade)."""
-    node = edge[0]
-    if node is None:
-        return None
-    variable = getattr(node, "variable", None)
-    return variable if isinstance(variable, torch.Tensor) else False
+    return Derivation(fn, (i,), forward.__name__, gain)
 
 
 def _layer_norm(saved: torch.Tensor, base: torch.Tensor, recent: list[Origin]) -> Derivation | None:
@@ -201,8 +132,8 @@ def _layer_norm(saved: torch.Tensor, base: torch.Tensor, recent: list[Origin]) -
     edges = node.next_functions  # type: ignore[union-attr]
     if len(edges) != 3 or base.dtype not in (torch.float32, torch.float64):
         return None
-    i = _find(recent, edges[0], base)
-    weight, bias = _affine(edges[1]), _affine(edges[2])
+    i = find(recent, edges[0], base)
+    weight, bias = affine_param(edges[1]), affine_param(edges[2])
     if i is None or weight is False or bias is False:
         return None
     ndim = len(node._saved_normalized_shape)  # type: ignore[union-attr]
@@ -215,7 +146,7 @@ def _layer_norm(saved: torch.Tensor, base: torch.Tensor, recent: list[Origin]) -
     ][:2]
     if len(stats) != 2 or stats[1] != stats[0] + 1:
         return None
-    place = _placed(saved, base)
+    place = placed(saved, base)
 
     def fn(x_hat: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -233,122 +164,15 @@ def _layer_norm(saved: torch.Tensor, base: torch.Tensor, recent: list[Origin]) -
     return Derivation(fn, (i, *stats), "layer_norm", gain)
 
 
-def _batch_norm_parts(node: object, base: torch.Tensor, recent: list[Origin]) -> tuple | None:
-    """A training-mode BatchNorm's input (index in ``recent``), its mean and 1/σ (the
-    indices), weight and bias; None where they are not the last tensors saved.
-
-    The BatchNorm saves its input, its running mean and variance (where it tracks them),
-    its weight, then the batch's mean and 1/σ (one value per channel, dimension 1); after
-    them only parameters (a leaf: the next op's weight) may have been saved."""
-    edges = node.next_functions  # type: ignore[attr-defined]
-    if len(edges) != 3 or base.dim() < 2 or base.dtype not in (torch.float32, torch.float64):
-        return None
-    if not bool(node._saved_training):  # type: ignore[attr-defined]  # eval: running stats
-        return None
-    i = _find(recent, edges[0], base)
-    weight, bias = _affine(edges[1]), _affine(edges[2])
-    if i is None or weight is False or bias is False:
-        return None
-    channels = (base.shape[1],)
-    stats = []
-    for j in range(i + 1, len(recent)):
-        if recent[j].node is None and recent[j].leaf is None and recent[j].shape == channels:
-            stats.append(j)
-        elif recent[j].leaf is None:  # a computed tensor: something else ran in between
-            return None
-    if len(stats) not in (2, 4) or stats[-1] != stats[-2] + 1:
-        return None
-    return i, (stats[-2], stats[-1]), weight, bias
-
-
-def _scale_shift(
-    mean: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per channel, ``scale`` and ``shift`` of ``(x − mean)·rstd·weight + bias``."""
-    scale = rstd if weight is None else rstd * weight.detach()
-    shift = -mean * scale if bias is None else bias.detach() - mean * scale
-    return scale, shift
-
-
-def _normalized(
-    x: torch.Tensor,
-    mean: torch.Tensor,
-    rstd: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-) -> torch.Tensor:
-    """``(x − mean)·rstd·weight + bias`` per channel (dimension 1), as one pass over
-    ``x``: ``x·scale + shift``."""
-    shape = (1, -1, *(1,) * (x.dim() - 2))
-    scale, shift = _scale_shift(mean, rstd, weight, bias)
-    return torch.addcmul(shift.view(shape), x, scale.view(shape))
-
-
-def _channel_gain(rstd: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
-    """Per channel, the factor (rstd·γ)² from the input's rounding variance to the
-    output's (float64)."""
-    g = rstd.detach().double().square()
-    return g * weight.detach().double().square() if weight is not None else g
-
-
-def _batch_norm(saved: torch.Tensor, base: torch.Tensor, recent: list[Origin]) -> Derivation | None:
-    parts = _batch_norm_parts(base.grad_fn, base, recent)
-    if parts is None:
-        return None
-    i, stats, weight, bias = parts
-    place = _placed(saved, base)
-
-    def fn(x_hat: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            return place(_normalized(x_hat, mean, rstd, weight, bias))
-
-    def gain(x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor) -> float:
-        return float(_channel_gain(rstd, weight).mean())
-
-    return Derivation(fn, (i, *stats), "batch_norm", gain)
-
-
-def _relu_of_batch_norm(
-    saved: torch.Tensor, base: torch.Tensor, recent: list[Origin]
-) -> Derivation | None:
-    """A ReLU's output whose input is a training-mode BatchNorm's output (ResNet's
-    conv-BN-ReLU): remade as ``relu(BN(x̂))`` from the BatchNorm's input, with its mask
-    (``y > 0``, and NaN) kept exactly, so the ReLU's backward passes the same elements
-    and a value the mask keeps is never rounded to zero."""
-    edges = base.grad_fn.next_functions  # type: ignore[union-attr]
-    norm = edges[0][0] if len(edges) == 1 and edges[0][1] == 0 else None
-    if type(norm).__name__ != BATCH_NORM_NODE:
-        return None
-    parts = _batch_norm_parts(norm, base, recent)
-    if parts is None:
-        return None
-    i, stats, weight, bias = parts
-    place, tiny = _placed(saved, base), torch.finfo(base.dtype).tiny
-    with torch.no_grad():
-        mask = ~(base <= 0)  # NaN passes: it stays NaN
-
-    def fn(x_hat: Tensor, mean: Tensor, rstd: Tensor, bits: Tensor) -> Tensor:
-        with torch.no_grad():
-            scale, shift = _scale_shift(mean, rstd, weight, bias)
-            return place(mask_affine(x_hat, scale, shift, bits, tiny))
-
-    def gain(x: Tensor, mean: Tensor, rstd: Tensor, bits: Tensor) -> float:
-        with torch.no_grad():  # from the mask at hand (``bits`` is its packed copy)
-            passed = mask.sum(dim=[d for d in range(mask.dim()) if d != 1]).double()
-            return float((passed * _channel_gain(rstd, weight)).sum() / max(mask.numel(), 1))
-
-    return Derivation(fn, (i, *stats), "relu of batch_norm", gain, kept=mask)
-
-
 def derived_output(saved: torch.Tensor) -> bool:
     """Whether ``saved`` (or the tensor it is a view of) is an activation's, a norm's or
     a ReLU's output that :func:`derive_plan` may remake (a cheap test, before any
     search)."""
     base = saved if saved._base is None else saved._base
     kind = type(base.grad_fn).__name__
-    if kind == RELU_NODE:  # every ReLU output saved: only one of a BatchNorm's is remade
+    if kind == RELU_NODE:  # every ReLU output saved: only those of a BatchNorm or a sum
         edges = base.grad_fn.next_functions  # type: ignore[union-attr]
-        return len(edges) == 1 and type(edges[0][0]).__name__ == BATCH_NORM_NODE
+        return len(edges) == 1 and type(edges[0][0]).__name__ in (BATCH_NORM_NODE, ADD_NODE)
     return kind in DERIVABLE_NODES
 
 
@@ -366,9 +190,9 @@ def derive_plan(saved: torch.Tensor, recent: list[Origin]) -> Derivation | None:
     if kind == LAYER_NORM_NODE:
         return _layer_norm(saved, base, recent)
     if kind == BATCH_NORM_NODE:
-        return _batch_norm(saved, base, recent)
+        return batch_norm_output(saved, base, recent)
     if kind == RELU_NODE:
-        return _relu_of_batch_norm(saved, base, recent)
+        return relu_output(saved, base, recent)
     return _activation(saved, base, recent)
 
 

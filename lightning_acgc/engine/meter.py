@@ -36,6 +36,8 @@ class SiteRecord:
     tensor_bytes: int = 0
     derived_from: str | None = None  # remade at unpack from this site's tensor (f(x))
     gain: float = 1.0  # derived: x's rounding variance -> this tensor's (mean f'(x)²)
+    # derived from more than one stored tensor (a residual sum): the others, with gains
+    also_from: tuple[tuple[str, float], ...] = ()
 
     @property
     def ratio(self) -> float:

@@ -94,23 +94,27 @@ class Recomputing:
             return None
         entries = [recent[i] for i in plan.sources]
         sources = [entry.source() for entry in entries]
-        if any(s is None for s in sources):
+        if any(s is None for s in sources) or any(_remade(sources[k]) for k in plan.stored):
             return None
-        source = sources[0]
-        of = source.site if isinstance(source, Saved) else "its input"
+        roots = [sources[k] for k in plan.roots]
+        of = ", ".join(r.site if isinstance(r, Saved) else "its input" for r in roots)
         bits = [] if plan.kept is None else [mask_pack(plan.kept)]  # a mask: 1 bit a value
         saved, rec = self._recomputed(
             site, t, key, ref, raw, [*sources, *bits], plan.fn, f"{plan.name} of {of}",
             sum(b.numel() for b in bits),
         )  # fmt: skip
-        if isinstance(source, Saved):
-            rec.derived_from = source.site
-            if entries[0].strong is not None:  # a measuring step: the input itself is at hand
-                values = [
-                    e.strong if e.strong is not None else _values_of(s)
-                    for e, s in zip(entries, sources, strict=True)
-                ]
-                rec.gain = plan.gain(*values, *bits)
+        # the gains measured last (a record lives across steps), measured again on the
+        # policy's measuring steps from the inputs themselves, where at hand
+        gains = (rec.gain, *(g for _, g in rec.also_from))
+        if getattr(self.policy, "measuring", False):
+            values = [_at_hand(e, s) for e, s in zip(entries, sources, strict=True)]
+            got = plan.gain(*values, *bits)
+            gains = got if isinstance(got, tuple) else (got,)
+        if len(gains) != len(roots):  # first seen, or the derivation changed
+            gains = (1.0,) * len(roots)
+        held = [(r.site, g) for r, g in zip(roots, gains, strict=True) if isinstance(r, Saved)]
+        if held:
+            (rec.derived_from, rec.gain), rec.also_from = held[0], tuple(held[1:])
         return saved
 
     def _remember(self, t: torch.Tensor, held: Any) -> None:
@@ -125,8 +129,25 @@ class Recomputing:
         if getattr(self.policy, "derives_elementwise", False) and t.is_floating_point():
             origin = derive.Origin.of(t)
             strong = t if getattr(self.policy, "measuring", False) else None
-        self._recent.append(Recent(weakref.ref(t), holder, origin, strong))
+        recent = self._recent
+        if len(recent) >= STRONG_WINDOW and recent[-STRONG_WINDOW].strong is not None:
+            recent[-STRONG_WINDOW] = recent[-STRONG_WINDOW]._replace(strong=None)
+        recent.append(Recent(weakref.ref(t), holder, origin, strong))
 
 
-def _values_of(source: Saved | torch.Tensor) -> torch.Tensor:
-    return source.peek() if isinstance(source, Saved) else source
+# on measuring steps the last saves are held as they are (for their gains), no more
+STRONG_WINDOW = 8
+
+
+def _remade(source: Saved | torch.Tensor) -> bool:
+    return isinstance(source, Saved) and source.recompute is not None
+
+
+def _at_hand(entry: Recent, source: Saved | torch.Tensor) -> torch.Tensor | None:
+    """A source's values where they cost nothing: the tensor itself (held on measuring
+    steps), a tensor kept as it is; None for a packed one (not decoded for a gain)."""
+    if entry.strong is not None:
+        return entry.strong
+    if isinstance(source, Saved):
+        return source.raw
+    return source

@@ -127,26 +127,27 @@ def tensor_sensitivities(
         out[rec.key] = TensorSensitivity(rec.key, numel)
     tables = batch_norm or {}
     for rec in records.values():
-        key, gain, derived = _holder(records, rec)
-        root = out.get(key)
-        if root is None:
-            continue
-        delta_sq = gain * (grad_sq.get(rec.module, fallback) if rec.module else fallback)
-        root.mask_only &= exact_masks and rec.module_type in MASK_READERS
-        if rec.module in fan_in:
-            root.add(rec.module, fan_in[rec.module] * delta_sq)
-            continue
-        scale = (inv_var or {}).get(rec.key, 1.0) if rec.module_type in NORM_TYPES else 1.0
-        path = tables.get(rec.module, {}) if "BatchNorm" in rec.module_type else {}
-        if exact_masks and rec.module_type in MASK_READERS:
-            root.keeps_mask |= rec.module_type == "ReLU" and not derived
-        elif "propagated" in path:
-            for m, c in batch_norm_entries(path, tables, fan_in, grad_sq).items():
-                root.add(m, c * gain)
-        else:
-            root.other += mean_fan_in * delta_sq * scale
-        if rec.module in norm_params and rec.module_type in NORM_TYPES:
-            root.add(rec.module, delta_sq * scale)
+        for key, gain, derived in _holders(records, rec):
+            root = out.get(key)
+            if root is None:
+                continue
+            delta_sq = gain * (grad_sq.get(rec.module, fallback) if rec.module else fallback)
+            root.mask_only &= exact_masks and rec.module_type in MASK_READERS
+            if rec.module in fan_in:
+                root.add(rec.module, fan_in[rec.module] * delta_sq)
+                continue
+            norm = rec.module_type in NORM_TYPES
+            scale = (inv_var or {}).get(rec.key, 1.0) if norm else 1.0
+            path = tables.get(rec.module, {}) if "BatchNorm" in rec.module_type else {}
+            if exact_masks and rec.module_type in MASK_READERS:
+                root.keeps_mask |= rec.module_type == "ReLU" and not derived
+            elif "propagated" in path:
+                for m, c in batch_norm_entries(path, tables, fan_in, grad_sq).items():
+                    root.add(m, c * gain)
+            else:
+                root.other += mean_fan_in * delta_sq * scale
+            if rec.module in norm_params and norm:
+                root.add(rec.module, delta_sq * scale)
     return out
 
 
@@ -175,20 +176,28 @@ def batch_norm_entries(
     return out
 
 
-def _holder(records: dict[str, SiteRecord], rec: SiteRecord) -> tuple[str, float, bool]:
-    """The site whose tensor holds ``rec``'s values (through shared tensors and derived
-    outputs, a GELU of a LayerNorm's output of a compressed input), the product of the
-    derivations' gains on the way, and whether there was one."""
-    key, gain, derived = rec.shared_with or rec.key, 1.0, False
-    for _ in range(len(records)):
+def _holders(
+    records: dict[str, SiteRecord], rec: SiteRecord
+) -> list[tuple[str, float, bool]]:
+    """The sites whose tensors hold ``rec``'s values (through shared tensors and derived
+    outputs, a GELU of a LayerNorm's output of a compressed input; both sides of a
+    residual sum), each with the product of the derivations' gains on the way and whether
+    there was one."""
+    out: list[tuple[str, float, bool]] = []
+    todo = [(rec.shared_with or rec.key, 1.0, False)]
+    for _ in range(4 * len(records) + 4):  # a bound: the records form no cycle
+        if not todo:
+            break
+        key, gain, derived = todo.pop()
         held = records.get(key)
         if held is None or not (held.shared_with or held.derived_from):
-            break
-        if held.derived_from:
-            gain *= held.gain
-            derived = True
-        key = held.shared_with or held.derived_from or key
-    return key, gain, derived
+            out.append((key, gain, derived))
+        elif held.shared_with:
+            todo.append((held.shared_with, gain, derived))
+        else:
+            todo.append((held.derived_from, gain * held.gain, True))  # type: ignore[arg-type]
+            todo.extend((k, gain * g, True) for k, g in held.also_from)
+    return out
 
 
 def is_batch_norm_input(module_type: str, x: torch.Tensor) -> bool:

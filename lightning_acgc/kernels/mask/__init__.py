@@ -50,12 +50,14 @@ def mask_affine(
     shift: torch.Tensor,
     packed: torch.Tensor,
     tiny: float,
+    addend: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """A ReLU's output remade from its BatchNorm's input ``x`` (channels in dimension 1)
     and the ReLU's exact mask ``packed`` (:func:`mask_pack` of ``y > 0``, flat order of
-    ``x``): per channel ``x·scale + shift``, at least ``tiny`` where the mask's bit is set
-    (NaN stays NaN), 0 elsewhere. The compiled CPU path for float32 (one pass); torch ops
+    ``x``): per channel ``x·scale + shift`` (plus ``addend``, a residual branch of ``x``'s
+    shape, where given), at least ``tiny`` where the mask's bit is set (NaN stays NaN), 0
+    elsewhere. The compiled CPU path for float32 (one pass); torch ops
     elsewhere (no Triton kernel: on a GPU they are bandwidth-bound already).
 
     Example:
@@ -65,4 +67,5 @@ def mask_affine(
         [[0.0, 2.0], [3.0, 0.0]]
     """
     cpu = mask_affine_cpu if x.dtype == torch.float32 and x.dim() >= 2 else None
-    return route(x, backend, mask_affine_ref, None, cpu)(x, scale, shift, packed, tiny)
+    fn = route(x, backend, mask_affine_ref, None, cpu)
+    return fn(x, scale, shift, packed, tiny, addend)

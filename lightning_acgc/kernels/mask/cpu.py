@@ -31,7 +31,12 @@ def mask_unpack_cpu(packed: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def mask_affine_cpu(
-    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, packed: torch.Tensor, tiny: float
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    packed: torch.Tensor,
+    tiny: float,
+    addend: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`~lightning_acgc.kernels.mask.reference.mask_affine_ref` in one pass over a
     float32 ``x`` (bit-identical)."""
@@ -40,8 +45,10 @@ def mask_affine_cpu(
     rows = x.shape[0] * x.shape[1] if x.dim() >= 2 else 0
     if out.numel():
         scale, shift, packed = scale.contiguous(), shift.contiguous(), packed.contiguous()
+        add = None if addend is None else addend.to(x.dtype).contiguous()
         cpu_library().acgc_mask_affine_f32(
             x.data_ptr(), rows, x.shape[1], x.numel() // rows, scale.data_ptr(),
-            shift.data_ptr(), packed.data_ptr(), tiny, out.data_ptr(), cpu_threads(),
+            shift.data_ptr(), None if add is None else add.data_ptr(), packed.data_ptr(),
+            tiny, out.data_ptr(), cpu_threads(),
         )  # fmt: skip
     return out

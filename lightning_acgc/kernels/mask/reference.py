@@ -28,12 +28,20 @@ def mask_unpack_ref(packed: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def mask_affine_ref(
-    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, packed: torch.Tensor, tiny: float
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    packed: torch.Tensor,
+    tiny: float,
+    addend: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A ReLU's output remade from its BatchNorm's input ``x`` (channels in dimension 1)
     and its exact mask ``packed`` (bits, flat order of ``x``): ``x·scale + shift`` per
-    channel, at least ``tiny`` where the mask's bit is set (NaN stays NaN), else 0."""
+    channel (plus ``addend``, a residual branch of ``x``'s shape, where given), at least
+    ``tiny`` where the mask's bit is set (NaN stays NaN), else 0."""
     shape = (1, -1, *(1,) * (x.dim() - 2))
-    out = (x * scale.view(shape)).add_(shift.view(shape)).clamp_min_(tiny)
+    out = (x * scale.view(shape)).add_(shift.view(shape))
+    if addend is not None:
+        out.add_(addend)
     keep = mask_unpack_ref(packed, x.numel()).view(x.shape)
-    return out.masked_fill_(~keep, 0.0)
+    return out.clamp_min_(tiny).masked_fill_(~keep, 0.0)

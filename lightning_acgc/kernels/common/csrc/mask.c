@@ -32,20 +32,23 @@ void acgc_mask_unpack(const uint8_t *packed, int64_t n, uint8_t *out, int nthrea
 }
 
 /* A ReLU's output remade from its BatchNorm's input with the ReLU's exact mask: element
- * i of row r (channel r % channels) is x*scale + shift, at least tiny (NaN stays NaN: the
- * comparison fails; max_ps(tiny, v) returns v for NaN too), where bit i of packed is set,
- * else 0. Rows of `inner` values; a row starting on a whole mask byte takes the vector
- * path (the mask bits are the lane mask), the rest the scalar one. */
-static inline float mask_affine_one(float x, float s, float t, float tiny, int keep) {
+ * i of row r (channel r % channels) is x*scale + shift (+ addend[i], a residual branch,
+ * where addend is not NULL), at least tiny (NaN stays NaN: the comparison fails;
+ * max_ps(tiny, v) returns v for NaN too), where bit i of packed is set, else 0. Rows of
+ * `inner` values; a row starting on a whole mask byte takes the vector path (the mask
+ * bits are the lane mask), the rest the scalar one. */
+static inline float mask_affine_one(float x, float s, float t, const float *a, int64_t i,
+                                    float tiny, int keep) {
     float v = x * s;
     v = v + t;
+    if (a) v = v + a[i];
     v = v < tiny ? tiny : v;
     return keep ? v : 0.0f;
 }
 
 void acgc_mask_affine_f32(const float *x, int64_t rows, int64_t channels, int64_t inner,
-                          const float *scale, const float *shift, const uint8_t *packed,
-                          float tiny, float *out, int nthreads) {
+                          const float *scale, const float *shift, const float *addend,
+                          const uint8_t *packed, float tiny, float *out, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(THREADS(rows * inner))
     for (int64_t r = 0; r < rows; r++) {
         const float s = scale[r % channels], t = shift[r % channels];
@@ -58,6 +61,7 @@ void acgc_mask_affine_f32(const float *x, int64_t rows, int64_t channels, int64_
                 uint16_t bits;
                 memcpy(&bits, packed + ((base + j) >> 3), 2);
                 __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(x + base + j), sv), tv);
+                if (addend) v = _mm512_add_ps(v, _mm512_loadu_ps(addend + base + j));
                 _mm512_storeu_ps(out + base + j, _mm512_maskz_mov_ps(bits, _mm512_max_ps(lo, v)));
             }
         }
@@ -69,13 +73,14 @@ void acgc_mask_affine_f32(const float *x, int64_t rows, int64_t channels, int64_
                 __m256i b = _mm256_set1_epi32(packed[(base + j) >> 3]);
                 __m256 keep = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(b, lane), lane));
                 __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(x + base + j), sv), tv);
+                if (addend) v = _mm256_add_ps(v, _mm256_loadu_ps(addend + base + j));
                 _mm256_storeu_ps(out + base + j, _mm256_and_ps(keep, _mm256_max_ps(lo, v)));
             }
         }
 #endif
         for (; j < inner; j++) {
             const int64_t i = base + j;
-            out[i] = mask_affine_one(x[i], s, t, tiny, (packed[i >> 3] >> (i & 7)) & 1);
+            out[i] = mask_affine_one(x[i], s, t, addend, i, tiny, (packed[i >> 3] >> (i & 7)) & 1);
         }
     }
 }

@@ -1,0 +1,90 @@
+"""What the derivations of :mod:`lightning_acgc.engine.derive` share: where a saved
+tensor came from in the autograd graph (:class:`Origin`), what remakes a saved output
+(:class:`Derivation`), and the graph look-ups."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["Derivation", "Origin", "affine_param", "find", "placed"]
+
+
+class Origin(NamedTuple):
+    """Where a saved tensor came from, without holding it: the autograd node that made it
+    and its output slot (or, for a leaf, the leaf itself), its shape, dtype and device."""
+
+    node: object | None
+    slot: int
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    leaf: torch.Tensor | None
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> Origin:
+        node = t.grad_fn
+        leaf = t if node is None and t.requires_grad else None
+        return cls(node, t.output_nr if node is not None else 0, t.shape, t.dtype, t.device, leaf)
+
+    def made(self, edge: tuple[object, int]) -> bool:
+        """Whether the graph ``edge`` leads to this tensor (its node and output slot, or
+        the leaf it accumulates into)."""
+        node, slot = edge
+        if node is None:
+            return False
+        if self.node is not None:
+            return node is self.node and slot == self.slot
+        return self.leaf is not None and getattr(node, "variable", None) is self.leaf
+
+    def like(self, t: torch.Tensor) -> bool:
+        return self.shape == t.shape and self.dtype == t.dtype and self.device == t.device
+
+
+class Derivation(NamedTuple):
+    """``fn(*values of recent[i] for i in sources)`` is the saved tensor (its sizes,
+    strides and offset); ``name`` says what remakes it.
+
+    ``gain(*the same values)`` is the mean factor from a source's rounding variance to
+    the result's: one float for the first source, or a tuple with one per ``roots`` (the
+    positions in ``sources`` whose rounding reaches the result: a residual sum has two).
+    A value the engine does not hold at hand (a packed tensor saved long before) is
+    passed as None: a gain reads only what it needs. Where ``kept`` is a tensor (a ReLU's
+    mask, bool), the engine stores it packed at 1 bit a value
+    (:func:`~lightning_acgc.kernels.mask.mask_pack`) and passes the packed bits to ``fn``
+    and ``gain`` after the sources' values. The sources at positions ``stored`` must be
+    stored, not remade themselves (no chains of residual sums)."""
+
+    fn: Callable[..., torch.Tensor]
+    sources: tuple[int, ...]
+    name: str
+    gain: Callable[..., float | tuple[float, ...]]
+    kept: torch.Tensor | None = None
+    roots: tuple[int, ...] = (0,)
+    stored: tuple[int, ...] = ()
+
+
+def placed(saved: torch.Tensor, base: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The view ``saved`` of the contiguous ``base``, taken of a tensor laid out as it."""
+    size, stride = tuple(saved.shape), saved.stride()
+    offset = saved.storage_offset() - base.storage_offset()
+    return lambda out: out.contiguous().as_strided(size, stride, offset)
+
+
+def find(recent: list[Origin], edge: tuple[object, int], base: torch.Tensor) -> int | None:
+    for i in range(len(recent) - 1, -1, -1):
+        if recent[i].like(base) and recent[i].made(edge):
+            return i
+    return None
+
+
+def affine_param(edge: tuple[object, int]) -> torch.Tensor | bool | None:
+    """The parameter a LayerNorm's weight or bias edge accumulates into; None where it has
+    none; False where it is computed (not a leaf: not remade)."""
+    node = edge[0]
+    if node is None:
+        return None
+    variable = getattr(node, "variable", None)
+    return variable if isinstance(variable, torch.Tensor) else False
