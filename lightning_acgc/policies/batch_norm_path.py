@@ -90,6 +90,7 @@ class BatchNormPaths:
         self._order: dict[str, int] = {}  # first forward position per module
         self._input_sq: dict[str, torch.Tensor] = {}  # weight op -> E[x²] of its input
         self._readings: dict[str, _Reading] = {}
+        self._bns: set[str] = set()
 
     def setup(self, model: nn.Module, weight_ops: set[str] | dict[str, int]) -> None:
         """The model's BatchNorms and weight ops (names, as ``named_modules`` gives)."""
@@ -104,6 +105,8 @@ class BatchNormPaths:
         """Begin reading (clears the previous step's readings)."""
         self.stop()
         self._last, self._order, self._input_sq, self._readings = None, {}, {}, {}
+        if not self._bns:  # nothing to read (a transformer): no hooks, no cost
+            return
         for name, module in self._modules.items():
             if name in self._bns:
                 self._handles.append(module.register_forward_pre_hook(self._bn_input(name)))
