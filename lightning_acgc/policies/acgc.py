@@ -335,7 +335,7 @@ class ACGCPolicy(
         ]
 
     def _calibrate(self, grad_sq: dict, g_sq: float, layer: dict, reduce: Reduce | None) -> None:
-        paths = self.stats.batch_norm_tables(self._exact, grad_sq, reduce)  # BatchNorm δ paths
+        paths = self.stats.batch_norm_tables(self._exact, reduce)  # BatchNorm δ paths
         sens = error_model.tensor_sensitivities(
             self._structure, grad_sq, self.stats.fan_in, self._inv_var, self._norm_params,
             paths, exact_masks=self.codec == "quant",

@@ -58,6 +58,7 @@ class _Reading:
     count: int  # values per channel
     align: torch.Tensor | None  # (C,) ‖mean(x̂_c·patch)‖² over the local op's input
     grad_sq: torch.Tensor | None = None  # (C,) Σ δ² of the output gradient per channel
+    grad_sum: torch.Tensor | None = None  # (C,) Σ δ (dβ)
     calls: int = 1
 
 
@@ -76,9 +77,9 @@ class BatchNormPaths:
         >>> paths.stop()
         >>> grads = {f"{n}.{k}": p.grad for n, m in model.named_modules()
         ...          for k, p in m.named_parameters(recurse=False)}
-        >>> table = paths.tables(grads, {"0": 1.0})
-        >>> sorted(table["1"]), table["1"]["local_order"] == table["0"]["order"]
-        (['local', 'local_order', 'order', 'propagated'], True)
+        >>> table = paths.tables(grads)
+        >>> table["1"]["usable"], table["1"]["local_order"] == table["0"]["order"]
+        (1.0, True)
     """
 
     def __init__(self) -> None:
@@ -122,9 +123,17 @@ class BatchNormPaths:
         self._last = None
 
     # -- hooks ----------------------------------------------------------------------
+    def _enter(self, name: str) -> None:
+        """Note ``name``'s forward. The first module run again starts a new pass (a noise
+        budget's batch halves run before the exact pass): only the last pass is read."""
+        if name not in self._order:
+            self._order[name] = len(self._order)
+        elif self._order[name] == 0:
+            self._readings, self._input_sq, self._last = {}, {}, None
+
     def _weight_op(self, name: str):
         def hook(module: nn.Module, args: tuple, output: object) -> None:
-            self._order.setdefault(name, len(self._order))
+            self._enter(name)
             x = args[0] if args else None
             if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel():
                 self._input_sq.setdefault(name, x.detach().float().square().mean())
@@ -136,7 +145,7 @@ class BatchNormPaths:
 
     def _bn_input(self, name: str):
         def hook(module: nn.Module, args: tuple) -> None:
-            self._order.setdefault(name, len(self._order))
+            self._enter(name)
             x = args[0] if args else None
             if not (module.training and isinstance(x, torch.Tensor) and x.dim() >= 2):
                 return
@@ -161,45 +170,42 @@ class BatchNormPaths:
                 return
 
             def on_grad(grad: torch.Tensor) -> None:
-                g = grad.detach().float()
-                reading.grad_sq = g.transpose(0, 1).reshape(g.shape[1], -1).square().sum(1)
+                g = grad.detach().float().transpose(0, 1).reshape(grad.shape[1], -1)
+                reading.grad_sq, reading.grad_sum = g.square().sum(1), g.sum(1)
 
             output.register_hook(on_grad)
 
         return hook
 
     # -- factors ----------------------------------------------------------------------
-    def tables(
-        self, grads: dict[str, torch.Tensor], grad_sq: dict[str, float]
-    ) -> dict[str, dict[str, float]]:
-        """Per BatchNorm read once on this step: ``propagated`` (r² per unit of its input's
-        mean rounding variance), ``local`` (the coherent error in the weight gradient of
-        the op that made its input, same unit) and ``order`` (its forward position); per
-        weight op: ``input_sq`` (E[x²] of its input) and ``order``. ``grads``: this step's
-        gradients by parameter name (a BatchNorm's ``weight`` gives dγ); ``grad_sq``:
-        output-gradient norms² by module (the op that made the input: ‖δ_in‖²)."""
+    def tables(self, grads: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
+        """Per weight op run on this step: ``input_sq`` (E[x²] of its input) and ``order``
+        (its forward position); per training-mode BatchNorm: ``propagated`` (r² per unit
+        of its input's mean rounding variance), ``local`` (the coherent error in the
+        weight gradient of the op that made its input, same unit), ``local_order`` (that
+        op's position, −1: none), ``order`` and ``usable`` (0: called more than once, no
+        gradient or no γ; the same keys on every rank, for the average over ranks).
+        ``grads``: this step's gradients by parameter name (``weight``: dγ)."""
         out: dict[str, dict[str, float]] = {}
         for name, sq in self._input_sq.items():
             out[name] = {"input_sq": float(sq), "order": float(self._order[name])}
         for name, r in self._readings.items():
-            delta_in = grad_sq.get(r.local or "", 0.0)
-            if r.calls != 1 or r.grad_sq is None or r.local is None or delta_in <= 0:
-                continue
             module = self._modules[name]
-            gamma = _weight(module, r.var)
             d_gamma = grads.get(f"{name}.weight")
             if d_gamma is None:
                 d_gamma = getattr(getattr(module, "weight", None), "grad", None)
-            if d_gamma is None:  # no γ: Σ δ·x̂ unknown, the first part's m too
+            row = {"order": float(self._order[name]), "local_order": -1.0, "usable": 0.0,
+                   "propagated": 0.0, "local": 0.0}  # fmt: skip
+            out[name] = row
+            if r.calls != 1 or r.grad_sq is None or r.grad_sum is None or d_gamma is None:
                 continue
             d_gamma = d_gamma.detach().float().reshape(-1)
-            prop, local = batch_norm_factors(gamma, r.var, r.count, d_gamma, r.grad_sq, r.align)
-            out[name] = {
-                "propagated": prop / delta_in,
-                "local": local,
-                "local_order": float(self._order[r.local]),
-                "order": float(self._order[name]),
-            }
+            r2, local = batch_norm_factors(
+                _weight(module, r.var), r.var, r.count, d_gamma, r.grad_sq, r.grad_sum, r.align
+            )
+            row.update(propagated=r2, local=local, usable=1.0)
+            if r.local is not None:
+                row["local_order"] = float(self._order[r.local])
         return out
 
 
@@ -227,28 +233,33 @@ def batch_norm_factors(
     count: int,
     d_gamma: torch.Tensor,
     grad_sq: torch.Tensor,
+    grad_sum: torch.Tensor,
     align: torch.Tensor | None,
 ) -> tuple[float, float]:
-    """``(‖Δδ_in‖², local)`` per unit of the input's mean rounding variance (channel c's
-    rounding variance taken as that mean · var_c / mean var): Δδ_in of the module
-    docstring, and the coherent part of the making op's weight-gradient error
-    (``align``: ‖mean(x̂_c·patch)‖² per channel, :func:`alignment`; ``None``: not counted).
+    """``(r², local)`` per unit of the input's mean rounding variance (channel c's
+    rounding variance taken as that mean · var_c / mean var): ‖Δδ_in‖²/‖δ_in‖² of the
+    module docstring (‖δ_in,c‖² = (γ/σ)²·(Σδ² − (Σδ)²/N − dγ²/N), BatchNorm's backward),
+    and the coherent part of the making op's weight-gradient error (``align``:
+    ‖mean(x̂_c·patch)‖² per channel, :func:`alignment`; ``None``: not counted).
 
     Example:
         >>> one = torch.ones(2)
-        >>> batch_norm_factors(one, one, 4, torch.zeros(2), one * 4, one)
-        (2.0, 8.0)
+        >>> batch_norm_factors(one, one, 4, torch.zeros(2), one * 4, torch.zeros(2), one)
+        (0.25, 8.0)
     """
     var = var.double().clamp_min(torch.finfo(torch.float32).tiny)
     rel = 1.0 / var.mean()  # (σ_ε,c/σ_c)² per unit mean variance
     g2 = gamma.double().square()
     d_gamma, grad_sq = d_gamma.double()[: var.numel()], grad_sq.double()
-    # Σ_c (γ/σ)²·(σ_ε/σ)²·(N·m² + mean δ²), m = dγ/N
-    prop = float((g2 / var * rel * (d_gamma.square() / count + grad_sq / count)).sum())
+    # ‖Δδ_in‖²: Σ_c (γ/σ)²·(σ_ε/σ)²·(N·m² + mean δ²), m = dγ/N
+    delta = float((g2 / var * rel * (d_gamma.square() / count + grad_sq / count)).sum())
+    kept = grad_sq - grad_sum.double().square() / count - d_gamma.square() / count
+    delta_in = float((g2 / var * kept.clamp_min(0)).sum())
+    r2 = delta / delta_in if delta_in > 0 else 0.0
     if align is None:
-        return prop, 0.0
+        return r2, 0.0
     # Σ_c (γ/σ)²·(σ_ε/σ)²·Σδ²·‖mean(x̂_c·patch)‖²
-    return prop, float((g2 / var * rel * grad_sq * align.double()).sum())
+    return r2, float((g2 / var * rel * grad_sq * align.double()).sum())
 
 
 _CONV_WEIGHT_GRAD = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight}

@@ -141,7 +141,7 @@ def tensor_sensitivities(
             path = tables.get(rec.module, {}) if "BatchNorm" in rec.module_type else {}
             if exact_masks and rec.module_type in MASK_READERS:
                 root.keeps_mask |= rec.module_type == "ReLU" and not derived
-            elif "propagated" in path:
+            elif path.get("usable", 0.0) >= 1.0:  # on every rank
                 for m, c in batch_norm_entries(path, tables, fan_in, grad_sq).items():
                     root.add(m, c * gain)
             else:
@@ -163,7 +163,8 @@ def batch_norm_entries(
 
     Example:
         >>> tables = {"conv": {"order": 0.0, "input_sq": 2.0},
-        ...           "bn": {"order": 1.0, "propagated": 0.5, "local": 3.0, "local_order": 0.0}}
+        ...           "bn": {"order": 1.0, "propagated": 0.5, "local": 3.0, "local_order": 0.0,
+        ...                  "usable": 1.0}}
         >>> batch_norm_entries(tables["bn"], tables, {"conv": 4}, {"conv": 1.0})
         {'conv': 7.0}
     """
@@ -171,14 +172,12 @@ def batch_norm_entries(
     for m, row in tables.items():
         if m in fan_in and "input_sq" in row and row["order"] < path["order"]:
             out[m] = path["propagated"] * fan_in[m] * grad_sq.get(m, 0.0) * row["input_sq"]
-            if row["order"] == path["local_order"]:
+            if row["order"] == path.get("local_order", -1.0):
                 out[m] += path["local"]
     return out
 
 
-def _holders(
-    records: dict[str, SiteRecord], rec: SiteRecord
-) -> list[tuple[str, float, bool]]:
+def _holders(records: dict[str, SiteRecord], rec: SiteRecord) -> list[tuple[str, float, bool]]:
     """The sites whose tensors hold ``rec``'s values (through shared tensors and derived
     outputs, a GELU of a LayerNorm's output of a compressed input; both sides of a
     residual sum), each with the product of the derivations' gains on the way and whether

@@ -98,13 +98,13 @@ class GradientStats:
         return dict(self.grad_sq)
 
     def batch_norm_tables(
-        self, grads: dict[str, torch.Tensor] | None, grad_sq: dict, reduce: Reduce | None
+        self, grads: dict[str, torch.Tensor] | None, reduce: Reduce | None
     ) -> Tables:
         """:meth:`BatchNormPaths.tables` of the last calibration, averaged over ranks
         (empty without ``batch_norm``)."""
         if self.batch_norm is None:
             return {}
-        return reduced(self.batch_norm.tables(grads or {}, grad_sq), reduce)
+        return reduced(self.batch_norm.tables(grads or {}), reduce)
 
     def _on_output(self, name: str):
         def hook(module: nn.Module, args: object, output: object) -> None:
