@@ -8,6 +8,28 @@ conv saves as its input. It is remade as ``relu(BN(x̂))`` with the ReLU's mask 
 kept exactly at 1 bit a value (``Derivation.kept``): the ReLU's backward passes exactly
 the elements it passed, and the conv sees ``x``'s rounding through the BatchNorm's scale.
 On ResNet-18 (quick) the ReLU outputs after ``bn1`` were a fifth of acgc's kept bytes.
+
+The ReLU after a residual sum, ``relu(BN(x) + shortcut)``, is remade the same way from
+both addends: the shortcut is a BatchNorm's output too (a projection shortcut: remade
+from that BatchNorm's input) or a tensor saved as it is (the block's input), which must
+be stored, not remade itself. In a chain of identity blocks every other sum is remade
+(each would otherwise be remade from the previous one, back to the stage's start). Its
+error reaches the sum from both holders (``Derivation.roots``): the error model charges
+each by its gain. On ResNet-50 (batch 4) this took acgc from 5.7x to 6.5x.
+
+Example:
+    >>> from lightning_acgc.engine.derive import Origin, derive_plan
+    >>> conv, bn = torch.nn.Conv2d(3, 3, 1), torch.nn.BatchNorm2d(3)
+    >>> x = torch.randn(4, 3, 5, 5, requires_grad=True)
+    >>> recent = []
+    >>> def pack(t):
+    ...     recent.append(Origin.of(t))
+    ...     return t
+    >>> with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    ...     y = torch.relu(bn(conv(x)) + x)  # conv saves x: the stored addend
+    >>> plan = derive_plan(y, recent)
+    >>> plan.name, len(plan.roots)
+    ('relu of a residual sum', 2)
 """
 
 from __future__ import annotations
@@ -98,6 +120,9 @@ def _channel_gain(rstd: torch.Tensor, weight: torch.Tensor | None) -> torch.Tens
 def batch_norm_output(
     saved: torch.Tensor, base: torch.Tensor, recent: list[Origin]
 ) -> Derivation | None:
+    """A training-mode BatchNorm's output ``saved`` (a view of ``base``) remade as
+    ``(x̂ − μ)·(1/σ)·γ + β`` from its input's holder and exact statistics in ``recent``;
+    None where they are not found (eval mode, cuDNN's node, another layout of saves)."""
     parts = _batch_norm_parts(base.grad_fn, base, recent)
     if parts is None:
         return None
