@@ -322,3 +322,14 @@ def test_layers_give_their_measured_tensors_more_of_their_budget_once_all_are_pr
     policy._variances["dec.0.attn:0"] = _table(1.0)
     policy._saturating.add("dec.0.attn:1")
     assert policy.own_share() == 0.5
+
+
+def test_layers_use_the_probed_share_where_nothing_is_left_to_the_heuristic() -> None:
+    """No tensor with a heuristic factor (a ResNet, its BatchNorm inputs modelled): each
+    layer's own tensors may fill PROBED_SHARE of its budget; one guessed factor, and the
+    rest of the budget is kept for it (``layer_share``)."""
+    policy = ACGCPolicy()
+    policy._sens = {"conv:0": deque([(64, {"conv": 1.0, "stem": 0.5}, 0.0)])}
+    assert policy.own_share() == PROBED_SHARE
+    policy._sens["act:0"] = deque([(64, {}, 2.0)])
+    assert policy.own_share() == policy.layer_share < PROBED_SHARE
