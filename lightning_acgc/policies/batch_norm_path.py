@@ -14,7 +14,8 @@ ResNet-50 (noise in one BatchNorm's input at a time, every layer's error read):
   true δ: every weight op m before the BatchNorm saw its output gradient off by 0.5-1x
   that r². Noise of that size in m's output gradient adds ``r²·fan_in_m·‖δ_m‖²·E[x_m²]``
   to ‖Δg_m‖² (x_m: m's input). Summed over the weight ops before it, this was 0.75-2.6x
-  what each BatchNorm caused. The old error model counted it in one layer only, with a
+  what each of ResNet-50's BatchNorms caused but the stem's (0.005x there: the second
+  part dominates the first layers). The old error model counted it in one layer only, with a
   factor of the mean fan-in: 130-320x too high for ResNet-50's first BatchNorms and
   400x too low for its last, whose noise reaches all of its 50 convolutions;
 * the second part is x̂ times a number per channel: it lines up with the input of the
