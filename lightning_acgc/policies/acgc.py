@@ -216,6 +216,7 @@ class ACGCPolicy(
         self._layer_errors: dict[str, float] = {}  # e_m per module in force (noise budget)
         self._layer_grad_sq: deque[dict[str, float]] = deque(maxlen=history)
         self._structure: dict[str, SiteRecord] = {}
+        self._step_sens: dict[str, error_model.TensorSensitivity] = {}  # the last calibration's
         self._norm_params: list[str] = []
         self._inv_var: dict[str, float] = {}
         self._saturating: set[str] = set()  # sites saving a saturating activation's output
@@ -383,7 +384,7 @@ class ACGCPolicy(
         scale = self.layer_kappa / self.error_target**2
         layer_sq = {m: v * self._layer_errors[m] ** 2 * scale for m, v in layer_sq.items()}
         sens = self.probed_all(average(self._sens))
-        share = self.own_share()
+        share = self.own_share(sens)
         if self.codec == "bounded":
             args = (layer_sq, g_sq, e_sq, self.lam, self._own_scale, share)
             self.bounds = bounded_bounds(sens, *args)

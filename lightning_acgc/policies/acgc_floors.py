@@ -223,7 +223,7 @@ class ScopeFloors:
             floors[key] = max(floors.get(key, LADDER[0]), width, key=ORDER.index)
         for key in self._saturating:
             floors[key] = max(floors.get(key, LADDER[0]), BIAS_FLOOR, key=ORDER.index)
-        for key, sens in getattr(self, "_step_sens", {}).items():
+        for key, sens in self._step_sens.items():
             if sens.keeps_mask:  # the model counts its ReLU's backward exact: its mask kept
                 floors[key] = max(floors.get(key, LADDER[0]), MASK_FLOOR, key=ORDER.index)
         return floors
@@ -232,8 +232,7 @@ class ScopeFloors:
         """What :func:`~.acgc_allocation.quant_allocation` reads besides the model: the
         :meth:`floors`, the ``nonzero`` codec's shares, and the tensors read only through
         their mask (a ReLU output nothing else saves: exact at its floor)."""
-        step = getattr(self, "_step_sens", {})
-        exact = {k for k, s in step.items() if s.keeps_mask and s.mask_only}
+        exact = {k for k, s in self._step_sens.items() if s.keeps_mask and s.mask_only}
         return self.floors(), self.nonzero_shares(), exact
 
     def _structure_numel(self, key: str) -> int:

@@ -197,14 +197,15 @@ class SensitivityProbes:
             self._calib_s += self._lap()  # the probe passes and the settling
 
     # -- what the allocation reads -----------------------------------------------------
-    def own_share(self) -> float:
+    def own_share(self, sens: dict[str, Sensitivity] | None = None) -> float:
         """The share of each layer's budget its measured tensors may fill: ``layer_share``
         (the rest for errors reaching it through δ, which the model guesses), or
         ``PROBED_SHARE`` where nothing is left to a guess: once every candidate class has a
         probe reading, or where no tensor has a heuristic factor at all (a ResNet: its
         BatchNorm inputs modelled, :mod:`~.batch_norm_path`; what reaches a layer through
-        δ is then in its own budget). On the quick ResNet 0.5 instead kept 5.4x, 0.8 6.1x."""
-        sens = self.probed_all(average(self._sens))
+        δ is then in its own budget). On the quick ResNet 0.5 instead kept 5.4x, 0.8 6.1x.
+        ``sens``: :meth:`probed_all` of the averaged sensitivities, where at hand."""
+        sens = self.probed_all(average(self._sens)) if sens is None else sens
         if sens and not any(o > 0 for _, _, o in sens.values()):
             return PROBED_SHARE
         if self.max_probes and self._probe_readings:

@@ -156,10 +156,10 @@ class BatchNormPaths:
             last, self._last = self._last, None
             with torch.no_grad():
                 per_channel = x.detach().float().transpose(0, 1).reshape(x.shape[1], -1)
-                var = per_channel.var(dim=1, unbiased=False)
+                var, mean = torch.var_mean(per_channel, dim=1, unbiased=False)
                 local, align = None, None
                 if last is not None and last[0] == id(x):
-                    local, align = last[1], alignment(last[3], last[2], x, var)
+                    local, align = last[1], alignment(last[3], last[2], x, mean, var)
             self._readings[name] = _Reading(local, var, per_channel.shape[1], align)
 
         return hook
@@ -268,10 +268,11 @@ _CONV_WEIGHT_GRAD[3] = torch.nn.grad.conv3d_weight
 
 
 def alignment(
-    op: nn.Module, op_input: torch.Tensor, x: torch.Tensor, var: torch.Tensor
+    op: nn.Module, op_input: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor
 ) -> torch.Tensor | None:
     """‖mean(x̂_c·patch)‖² per channel c of ``x`` = ``op(op_input)`` (a convolution or a
-    linear layer; x̂ = x normalized per channel): the weight gradient ``op`` would get
+    linear layer; x̂ = x normalized per channel by its ``mean`` and ``var``, one value per
+    channel): the weight gradient ``op`` would get
     from an output gradient x̂/N, row by row (one weight-gradient product, on
     calibration steps). ``None`` for other ops (or a padding mode other than zeros).
 
@@ -279,29 +280,28 @@ def alignment(
         >>> conv = nn.Conv2d(2, 3, 3)
         >>> x_in = torch.randn(4, 2, 6, 6)
         >>> x = conv(x_in).detach()
-        >>> var = x.transpose(0, 1).reshape(3, -1).var(1, unbiased=False)
-        >>> a = alignment(conv, x_in, x, var)
+        >>> var, mean = torch.var_mean(x.transpose(0, 1).reshape(3, -1), 1, unbiased=False)
+        >>> a = alignment(conv, x_in, x, mean, var)
         >>> bound = var / conv.weight.detach().reshape(3, -1).square().sum(1)
         >>> bool((a >= bound * 0.999).all())  # ‖v_c‖ ≥ σ_c/‖W_c‖ (x̂·W_c·patch = σ_c x̂²)
         True
     """
-    c = x.shape[1]
-    mean = x.detach().float().transpose(0, 1).reshape(c, -1).mean(1)
-    shape = (1, c, *([1] * (x.dim() - 2)))
-    count = x.numel() // c
-    xh = (x.detach().float() - mean.view(shape)) / (var.clamp_min(1e-30).sqrt().view(shape) * count)
-    inp = op_input.detach().float()
-    dims = x.dim() - 2
-    if isinstance(op, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and dims in _CONV_WEIGHT_GRAD:
-        if op.padding_mode != "zeros" or isinstance(op.padding, str) or op.out_channels != c:
-            return None
-        grad = _CONV_WEIGHT_GRAD[dims](
-            inp, op.weight.shape, xh.to(inp.dtype), op.stride, op.padding, op.dilation, op.groups
-        )
-    elif isinstance(op, nn.Linear) and x.dim() == 2 and op.out_features == c:
-        grad = xh.t() @ inp.reshape(x.shape[0], -1)
-    else:
+    c, dims = x.shape[1], x.dim() - 2
+    conv = isinstance(op, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and dims in _CONV_WEIGHT_GRAD
+    conv = conv and op.padding_mode == "zeros" and not isinstance(op.padding, str)
+    linear = isinstance(op, nn.Linear) and dims == 0
+    if not (conv or linear) or op.weight.shape[0] != c:
         return None
+    shape = (1, c, *([1] * dims))
+    scale = var.clamp_min(1e-30).sqrt() * (x.numel() // c)
+    xh = (x.detach().float() - mean.view(shape)) / scale.view(shape)  # x̂ / N
+    inp = op_input.detach().float()
+    if conv:
+        grad = _CONV_WEIGHT_GRAD[dims](
+            inp, op.weight.shape, xh, op.stride, op.padding, op.dilation, op.groups
+        )
+    else:
+        grad = xh.t() @ inp.reshape(x.shape[0], -1)
     return grad.reshape(c, -1).square().sum(1)
 
 
