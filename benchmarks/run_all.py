@@ -42,6 +42,7 @@ BENCHMARKS = (
     "codecs",
     "cpu_backends",
     "acgc_vs_fixed",
+    "bn_error_model",
 )
 # Run only when asked (``--only kernels``): the Triton kernels' GB/s mean something on a GPU.
 EXTRA = ("kernels",)
