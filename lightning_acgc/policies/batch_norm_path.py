@@ -16,16 +16,17 @@ ResNet-50 (noise in one BatchNorm's input at a time, every layer's error read):
   to ‖Δg_m‖² (x_m: m's input). Summed over the weight ops before it, this was 0.75-2.6x
   what each of ResNet-50's BatchNorms caused but the stem's (0.005x there: the second
   part dominates the first layers). The old error model counted it in one layer only, with a
-  factor of the mean fan-in: 130-320x too high for ResNet-50's first BatchNorms and
-  400x too low for its last, whose noise reaches all of its 50 convolutions;
+  factor of the mean fan-in: up to 358x too high for ResNet-50's first BatchNorms and
+  500x too low for its last, whose noise reaches all of its 50 convolutions
+  (``benchmarks/bn_error_model.py``);
 * the second part is x̂ times a number per channel: it lines up with the input of the
   op that made ``x`` (a convolution), whose weight gradient it moves coherently: row c
   by (γ/σ)·Δm·N·mean(x̂·patch). ``‖mean(x̂·patch)‖²`` is that op's weight gradient for
   an output gradient x̂/N (:func:`alignment`, one product on calibration steps; the
   cheap bound σ²/‖W_c‖² was 4-25x low on the quick ResNet). With it the local error
-  matched the measured within 1.5x, and the model's total (both parts) was 0.84-2.6x
-  the measured on ResNet-50's BatchNorms (the stem's 9.0 against 6.7: the first part
-  alone said 0.03) and 0.13-6.6x on the quick ResNet's (low on its first layers: the
+  matched the measured within 1.5x, and the model's total (both parts) was 0.94-2.7x
+  the measured on ResNet-50's BatchNorms (the stem's 0.95x: the first part alone said
+  0.005x) and 0.14-6.7x on the quick ResNet's (low on its first layers: the
   coherent part also reaches the ops further up, which the model leaves to κ).
 
 :class:`BatchNormPaths` gathers what these need on a calibration step (per channel: the
