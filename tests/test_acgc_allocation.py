@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import deque
 
 import pytest
 import torch
@@ -10,8 +11,14 @@ from torch import nn
 
 from lightning_acgc.engine import ActivationCompressor, EngineSettings, compressed_step
 from lightning_acgc.policies import ACGCPolicy
-from lightning_acgc.policies.acgc_allocation import SPLIT_OWN_FILL, quant_allocation
+from lightning_acgc.policies.acgc_allocation import (
+    SPLIT_OWN_FILL,
+    held_layer_sq,
+    layer_loads,
+    quant_allocation,
+)
 from lightning_acgc.policies.bit_allocation import LADDER
+from lightning_acgc.policies.error_model import TensorSensitivity
 
 
 def _table(scale: float) -> list[float]:
@@ -93,3 +100,53 @@ def test_split_settings_reach_the_engine_and_their_error_is_modelled() -> None:
     codec = policy.quant_codec(key, bits, share)  # split, or nonzero for a ReLU output
     assert codec.name in ("split", "nonzero") and codec.config.low_share == share
     assert codec.name in codecs, codecs
+
+
+def test_held_budget_keeps_every_recent_reading_within_its_own_gradient() -> None:
+    """A load fitted to the held ‖g_m‖² (times the mean load's scale) stays within each
+    reading's own ‖g_m‖², also on a reading whose ‖g_m‖² was small for its load; it is
+    the mean where the ratio did not move, and never above the mean."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        g = (torch.rand(3, generator=gen) + 0.01).tolist()
+        c = (torch.rand(3, generator=gen) + 0.01).tolist()
+        grad_sq = [{"fc": x} for x in g]
+        loads = [{"fc": x} for x in c]
+        mean, held = held_layer_sq(grad_sq, loads)
+        mean_load = sum(c) / 3
+        assert mean["fc"] == pytest.approx(sum(g) / 3)
+        assert held["fc"] <= mean["fc"] * (1 + 1e-12)
+        # settings whose modelled error on the mean load is the held budget
+        per_load = held["fc"] / mean_load
+        for g_i, c_i in zip(g, c, strict=True):
+            assert c_i * per_load <= g_i * (1 + 1e-9)
+    steady = held_layer_sq([{"fc": 2.0}, {"fc": 4.0}], [{"fc": 1.0}, {"fc": 2.0}])
+    assert steady[1]["fc"] == pytest.approx(3.0)
+
+
+def test_held_budget_without_loads_or_for_unloaded_modules_is_the_mean() -> None:
+    grad_sq = [{"fc": 1.0, "emb": 3.0}, {"fc": 3.0, "emb": 1.0}]
+    assert held_layer_sq(grad_sq, []) == ({"fc": 2.0, "emb": 2.0}, {"fc": 2.0, "emb": 2.0})
+    _, held = held_layer_sq(grad_sq, [{"fc": 1.0}, {"fc": 1.0}])
+    assert held == {"fc": 1.0, "emb": 2.0}
+
+
+def test_acgc_budget_follows_a_small_layer_gradient_of_the_latest_calibration() -> None:
+    """A layer whose ‖g_m‖² fell 8x against its load on the latest calibration is held
+    to that reading: its own input gets more bits than with three equal readings."""
+
+    def allocate(last_g: float) -> int:
+        policy = ACGCPolicy(gradient_error=0.1, probes=0)
+        policy._readings.append(1.0)
+        policy._variances["fc:0"] = [4.0**-b for b in LADDER]
+        policy._raw_bits["fc:0"] = 32
+        for g in (1.0, 1.0, last_g):
+            sens = {"fc:0": TensorSensitivity("fc:0", 4096, weight_by_module={"fc": 1.0})}
+            policy._sens.setdefault("fc:0", deque(maxlen=3)).append((4096, {"fc": 1.0}, 0.0))
+            policy._layer_load.append(layer_loads(sens, 1.0))
+            policy._layer_grad_sq.append({"fc": g})
+            policy._grad_sq.append(1.0)
+        policy._allocate()
+        return policy.site_bits["fc:0"]
+
+    assert allocate(1 / 8) > allocate(1.0)

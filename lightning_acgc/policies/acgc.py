@@ -68,6 +68,8 @@ from lightning_acgc.policies._schedule import check_int
 from lightning_acgc.policies.acgc_allocation import (
     average,
     bounded_bounds,
+    held_layer_sq,
+    layer_loads,
     quant_allocation,
     quant_meta_options,
 )
@@ -215,6 +217,7 @@ class ACGCPolicy(
         self._layer_noise_sq: deque[dict[str, float]] = deque(maxlen=history)  # ‖g1_m − g2_m‖²
         self._layer_errors: dict[str, float] = {}  # e_m per module in force (noise budget)
         self._layer_grad_sq: deque[dict[str, float]] = deque(maxlen=history)
+        self._layer_load: deque[dict[str, float]] = deque(maxlen=history)  # Σ_t c_{t,m}
         self._structure: dict[str, SiteRecord] = {}
         self._step_sens: dict[str, error_model.TensorSensitivity] = {}  # the last calibration's
         self._norm_params: list[str] = []
@@ -346,6 +349,7 @@ class ACGCPolicy(
             self._sens.setdefault(key, deque(maxlen=self.history)).append(
                 (s.numel, {m: c * inv for m, c in s.weight_by_module.items()}, s.other * inv)
             )
+        self._layer_load.append(layer_loads(sens, inv))
         self._update_target(g_sq)
         self._layer_grad_sq.append({m: v * inv for m, v in layer.items()})
         self._step_sens = sens
@@ -370,10 +374,7 @@ class ACGCPolicy(
         if self.codec == "quant" and self.verify and not self._readings:
             e_sq *= self.first_aim  # κ is a guess until the first measurement
         g_sq = self._budget_grad_sq  # relative: see there
-        layer_sq: dict[str, float] = {}
-        for reading in self._layer_grad_sq:
-            for m, v in reading.items():
-                layer_sq[m] = layer_sq.get(m, 0.0) + v / len(self._layer_grad_sq)
+        layer_sq, held = held_layer_sq(self._layer_grad_sq, self._layer_load)
         # modules not held to e themselves (below layer_floor) join the global budget
         floor = self.layer_floor * g_sq
         layer_sq = {m: v if v > floor else 0.0 for m, v in layer_sq.items()}
@@ -382,7 +383,8 @@ class ACGCPolicy(
         mean_g = self._mean_grad_sq  # layer_errors takes absolute ‖g_m‖²
         self._layer_errors = self.layer_errors({m: v * mean_g for m, v in layer_sq.items()})
         scale = self.layer_kappa / self.error_target**2
-        layer_sq = {m: v * self._layer_errors[m] ** 2 * scale for m, v in layer_sq.items()}
+        e_m = self._layer_errors
+        layer_sq = {m: v and held[m] * e_m[m] ** 2 * scale for m, v in layer_sq.items()}
         sens = self.probed_all(average(self._sens))
         share = self.own_share(sens)
         if self.codec == "bounded":

@@ -14,19 +14,24 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Collection, Iterable
-from typing import Any
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from lightning_acgc.codecs.registry import codec_config_class
 from lightning_acgc.policies._schedule import round_bound_down
 from lightning_acgc.policies.acgc_joint import joint_min_widths, module_loads
 from lightning_acgc.policies.bit_allocation import KEEP, LADDER, QUANT_WIDTHS, allocate_to_error
 
+if TYPE_CHECKING:
+    from lightning_acgc.policies.error_model import TensorSensitivity
+
 __all__ = [
     "UNCONSTRAINED",
     "Sensitivity",
     "average",
     "bounded_bounds",
+    "held_layer_sq",
+    "layer_loads",
     "quant_allocation",
     "quant_meta_options",
 ]
@@ -66,6 +71,52 @@ def average(history: dict[str, Iterable[Sensitivity]]) -> dict[str, Sensitivity]
                 weights[m] = weights.get(m, 0.0) + c / len(hist)
         out[key] = (hist[-1][0], weights, sum(o for _, _, o in hist) / len(hist))
     return out
+
+
+def layer_loads(sens: Mapping[str, TensorSensitivity], scale: float) -> dict[str, float]:
+    """Per weight op m, the load Σ_t c_{t,m} of the saved tensors that reach it, times
+    ``scale`` (e.g. 1/‖g‖²).
+
+    Example:
+        >>> from lightning_acgc.policies.error_model import TensorSensitivity
+        >>> s = TensorSensitivity("a", 4, weight_by_module={"fc": 2.0, "out": 1.0})
+        >>> layer_loads({"a": s, "b": s}, 0.5)
+        {'fc': 2.0, 'out': 1.0}
+    """
+    out: dict[str, float] = {}
+    for s in sens.values():
+        for m, c in s.weight_by_module.items():
+            out[m] = out.get(m, 0.0) + c * scale
+    return out
+
+
+def held_layer_sq(
+    grad_sq: Sequence[dict[str, float]], loads: Sequence[dict[str, float]]
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Per module, from the last calibrations' ‖g_m‖² (``grad_sq``) and loads Σ_t c_{t,m}
+    (``loads``, both relative to their step's ‖g‖²): the mean ‖g_m‖², and the ‖g_m‖² its
+    own budget takes, the mean load over the largest load / ‖g_m‖² of a reading (at most
+    the mean). The allocation reads averaged loads; a budget from the mean ‖g_m‖² lets a
+    step whose ‖g_m‖² is small for its load break it (a char-LM's ``attn.qkv`` at 5-9x
+    the previous readings' ratio measured 1.8e), as the whole budget would a small ‖g‖.
+
+    Example:
+        >>> held_layer_sq([{"fc": 4.0}, {"fc": 1.0}], [{"fc": 1.0}, {"fc": 1.0}])
+        ({'fc': 2.5}, {'fc': 1.0})
+    """
+    mean: dict[str, float] = {}
+    for reading in grad_sq:
+        for m, v in reading.items():
+            mean[m] = mean.get(m, 0.0) + v / len(grad_sq)
+    held = dict(mean)
+    if len(loads) != len(grad_sq):  # (a checkpoint without loads: the mean)
+        return mean, held
+    for m, v in mean.items():
+        ratios = [c[m] / g[m] for g, c in zip(grad_sq, loads, strict=True) if g.get(m) and m in c]
+        if ratios and max(ratios) > 0:
+            load = sum(c.get(m, 0.0) for c in loads) / len(loads)
+            held[m] = min(v, load / max(ratios))
+    return mean, held
 
 
 def _layer_budgets(
