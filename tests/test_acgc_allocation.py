@@ -18,7 +18,6 @@ from lightning_acgc.policies.acgc_allocation import (
     quant_allocation,
 )
 from lightning_acgc.policies.bit_allocation import LADDER
-from lightning_acgc.policies.error_model import TensorSensitivity
 
 
 def _table(scale: float) -> list[float]:
@@ -141,9 +140,8 @@ def test_acgc_budget_follows_a_small_layer_gradient_of_the_latest_calibration() 
         policy._variances["fc:0"] = [4.0**-b for b in LADDER]
         policy._raw_bits["fc:0"] = 32
         for g in (1.0, 1.0, last_g):
-            sens = {"fc:0": TensorSensitivity("fc:0", 4096, weight_by_module={"fc": 1.0})}
             policy._sens.setdefault("fc:0", deque(maxlen=3)).append((4096, {"fc": 1.0}, 0.0))
-            policy._layer_load.append(layer_loads(sens, 1.0))
+            policy._layer_load.append(layer_loads({"fc:0": policy._sens["fc:0"][-1]}))
             policy._layer_grad_sq.append({"fc": g})
             policy._grad_sq.append(1.0)
         policy._allocate()

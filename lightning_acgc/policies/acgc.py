@@ -349,7 +349,8 @@ class ACGCPolicy(
             self._sens.setdefault(key, deque(maxlen=self.history)).append(
                 (s.numel, {m: c * inv for m, c in s.weight_by_module.items()}, s.other * inv)
             )
-        self._layer_load.append(layer_loads(sens, inv))
+        latest = {k: self._sens[k][-1] for k in sens}  # with the probes' entries, if any
+        self._layer_load.append(layer_loads(self.probed_all(latest)))
         self._update_target(g_sq)
         self._layer_grad_sq.append({m: v * inv for m, v in layer.items()})
         self._step_sens = sens

@@ -15,15 +15,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lightning_acgc.codecs.registry import codec_config_class
 from lightning_acgc.policies._schedule import round_bound_down
 from lightning_acgc.policies.acgc_joint import joint_min_widths, module_loads
 from lightning_acgc.policies.bit_allocation import KEEP, LADDER, QUANT_WIDTHS, allocate_to_error
-
-if TYPE_CHECKING:
-    from lightning_acgc.policies.error_model import TensorSensitivity
 
 __all__ = [
     "UNCONSTRAINED",
@@ -73,20 +70,17 @@ def average(history: dict[str, Iterable[Sensitivity]]) -> dict[str, Sensitivity]
     return out
 
 
-def layer_loads(sens: Mapping[str, TensorSensitivity], scale: float) -> dict[str, float]:
-    """Per weight op m, the load Σ_t c_{t,m} of the saved tensors that reach it, times
-    ``scale`` (e.g. 1/‖g‖²).
+def layer_loads(sens: Mapping[str, Sensitivity]) -> dict[str, float]:
+    """Per weight op m, the load Σ_t c_{t,m} of the saved tensors that reach it.
 
     Example:
-        >>> from lightning_acgc.policies.error_model import TensorSensitivity
-        >>> s = TensorSensitivity("a", 4, weight_by_module={"fc": 2.0, "out": 1.0})
-        >>> layer_loads({"a": s, "b": s}, 0.5)
-        {'fc': 2.0, 'out': 1.0}
+        >>> layer_loads({"a": (4, {"fc": 2.0, "out": 1.0}, 0.5), "b": (4, {"fc": 1.0}, 0.0)})
+        {'fc': 3.0, 'out': 1.0}
     """
     out: dict[str, float] = {}
-    for s in sens.values():
-        for m, c in s.weight_by_module.items():
-            out[m] = out.get(m, 0.0) + c * scale
+    for _, weights, _ in sens.values():
+        for m, c in weights.items():
+            out[m] = out.get(m, 0.0) + c
     return out
 
 
