@@ -28,6 +28,7 @@ FIXED_BAR_CONFIG = "quant2"
 ACCURACY_BAR_PP = 0.1  # accuracy within 0.1 pp of plain, or within plain's seed spread
 PEAK_GAP = 0.15  # measured step peak within 15% of what the activation ratio predicts
 MODEL_NAMES = {"resnet": "ResNet", "bert": "BERT", "gnn": "GNN"}
+PROMISE_BAR = 0.99  # share of a fit's verified calibrations that keep acgc's promise (issue 13)
 BEST_ERROR = 0.05  # the best policy: the highest ratio at a measured error up to this
 
 
@@ -299,7 +300,33 @@ def bars(results: dict[str, dict[str, Any]]) -> tuple[list[str], list[str]]:
                 else "broken for e = " + ", ".join(f"{r['gradient_error']:g}" for r in broken)
             ),
         )
+    promise = results.get("promise")
+    if promise:
+        verdict(*promise_bar(promise))
     return met, short
+
+
+def promise_bar(promise: dict[str, Any]) -> tuple[bool, str]:
+    """acgc's promise over whole fits (``benchmarks/promise.py``): (met, its line).
+
+    Example:
+        >>> promise_bar({"calibrate_every": 5, "summary": {
+        ...     "charlm": {"calibrations": 10, "kept": 9, "share": 0.9, "worst_layer": 1.4},
+        ...     "all": {"calibrations": 10, "kept": 9, "share": 0.9, "worst_layer": 1.4}}})[0]
+        False
+    """
+    summary = promise["summary"]
+    s = summary["all"]
+    each = ", ".join(
+        f"{r} {v['kept']}/{v['calibrations']}" for r, v in summary.items() if r != "all"
+    )
+    return s["share"] >= PROMISE_BAR, (
+        f"acgc's promise over whole fits (the sweep's recipes at the default e, calibrating "
+        f"every {promise['calibrate_every']} steps): both the global error ≤ e and every "
+        f"layer within its e_m on {s['kept']} of {s['calibrations']} verified calibrations "
+        f"({100 * s['share']:.1f}%: {each}; worst layer {s['worst_layer']:.2f}x its bound) "
+        f"(bar: ≥ {100 * PROMISE_BAR:g}%)"
+    )
 
 
 def notes(memory: dict[str, Any] | None) -> list[str]:

@@ -43,6 +43,7 @@ BENCHMARKS = (
     "cpu_backends",
     "acgc_vs_fixed",
     "bn_error_model",
+    "promise",
 )
 # Run only when asked (``--only kernels``): the Triton kernels' GB/s mean something on a GPU.
 EXTRA = ("kernels",)
