@@ -12,7 +12,8 @@ the step, the settings in force against the exact gradient of the same batch) an
 the promise when the first is ≤ e and the second ≤ 1.
 
 Prints one JSON line: per recipe and seed the calibrations, how many kept each promise,
-the worst readings, the final ratio and validation loss; per recipe and in all, the
+the worst readings (and, per broken calibration, the module that used most of its
+bound), the final ratio and validation loss; per recipe and in all, the
 share of calibrations that kept both. ``--quick``: the char-LM and the GNN, one seed.
 
     python -m benchmarks.promise [--quick] [--seeds 0 1 2] [--calibrate-every 5]
@@ -54,6 +55,7 @@ class PromiseRecorder(pl.Callback):
                 "grad_error": m["grad_error"],
                 "error_target": m.get("error_target", self.policy.gradient_error),
                 "layer_budget_use": m["layer_budget_use"],
+                "module": getattr(self.policy, "worst_layer", None),
             })  # fmt: skip
 
 
@@ -79,7 +81,12 @@ def fit_with_acgc(recipe: str, seed: int, calibrate_every: int) -> dict[str, Any
     kept_layer = [r["layer_budget_use"] <= 1 for r in readings]
     ratios = [r["grad_error"] / r["error_target"] for r in readings]
     broken = [
-        {"step": r["step"], "layer": round(r["layer_budget_use"], 3), "global": round(g, 3)}
+        {
+            "step": r["step"],
+            "layer": round(r["layer_budget_use"], 3),
+            "global": round(g, 3),
+            "module": r["module"],
+        }
         for r, g, a, b in zip(readings, ratios, kept_global, kept_layer, strict=True)
         if not (a and b)
     ]
@@ -92,6 +99,9 @@ def fit_with_acgc(recipe: str, seed: int, calibrate_every: int) -> dict[str, Any
         "kept": len(readings) - len(broken),
         "worst_global": round(max(ratios, default=math.nan), 3),
         "worst_layer": round(max((r["layer_budget_use"] for r in readings), default=math.nan), 3),
+        "worst_module": max(readings, key=lambda r: r["layer_budget_use"])["module"]
+        if readings
+        else None,
         "broken_at": broken,
         "ratio": round(metrics.get("acgc/ratio", math.nan), 3),
         "val_loss": round(metrics.get("val/loss", math.nan), 4),

@@ -15,7 +15,19 @@ def test_a_fit_counts_each_verified_calibration_once() -> None:
     assert run["calibrations"] == expected
     assert 0 <= run["kept"] <= min(run["global_kept"], run["layer_kept"])
     assert len(run["broken_at"]) == run["calibrations"] - run["kept"]
+    assert all(b["module"] for b in run["broken_at"])
+    assert run["worst_module"] in {n for n, _ in _gnn_modules()}
     assert run["ratio"] > 1
+
+
+def _gnn_modules() -> list[tuple[str, object]]:
+    from hydra.utils import instantiate
+
+    from benchmarks.sweep import RECIPES
+    from recipes.config_schema import compose_config
+
+    model = instantiate(compose_config(RECIPES["gnn"]).model)
+    return list(model.named_modules())
 
 
 def test_the_bar_is_met_only_at_99_percent_of_calibrations() -> None:

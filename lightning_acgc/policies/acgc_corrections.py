@@ -15,7 +15,8 @@ module's own gradient error is measured against target · e²‖g_m‖²; a modu
 r tightens μ_m and λ by r (each the largest of its last ``history`` readings, rising at
 most 16x per reading). Modules whose gradient is below ``layer_floor`` of ‖g‖² are not
 held to e. The worst module's error is logged as ``layer_grad_error``, the largest λ as
-``lambda``.
+``lambda``; the module whose error used most of its bound (``layer_budget_use``) is
+``worst_layer``.
 
 λ is held per scope (a module's parent in the module tree): a module whose error through
 δ is over budget tightens the other-ops tensors saved inside its parent (attention's
@@ -50,6 +51,7 @@ class ModelCorrections:
     min_correction = 1.0  # quant: smallest μ_m (below 1 loosened layers past e: see report)
     layer_floor = 1e-12  # modules with ‖g_m‖² below this share of ‖g‖² are not held to e
     violation_memory = 0.97  # per calibration without a violation, the remembered value fades
+    worst_layer: str | None = None  # the module of the last ``layer_budget_use`` reading
 
     @property
     def lam(self) -> float:
@@ -137,7 +139,8 @@ class ModelCorrections:
             e_m = self._layer_errors.get(module, self.error_target)
             budget = self.target * e_m**2
             worst = max(worst, err / g)
-            use = max(use, err / (e_m**2 * g))
+            if err / (e_m**2 * g) > use:
+                use, self.worst_layer = err / (e_m**2 * g), module
             needs[module] = err / (budget * g)
             own = self._predicted_own.get(module, 0.0)
             through_delta[module] = max(err - own, 0.0) / ((1 - share) * budget * g)
