@@ -14,7 +14,6 @@ from lightning_acgc.policies import ACGCPolicy
 from lightning_acgc.policies.acgc_allocation import (
     SPLIT_OWN_FILL,
     held_layer_sq,
-    layer_loads,
     quant_allocation,
 )
 from lightning_acgc.policies.bit_allocation import LADDER
@@ -109,19 +108,19 @@ def test_held_budget_keeps_the_latest_reading_within_its_own_gradient() -> None:
     for _ in range(50):
         g = (torch.rand(3, generator=gen) + 0.01).tolist()
         c = (torch.rand(3, generator=gen) + 0.01).tolist()
-        mean, held = held_layer_sq([{"fc": x} for x in g], [{"fc": x} for x in c])
+        mean, held = held_layer_sq([{"fc": x} for x in g], {"fc": sum(c) / 3}, {"fc": c[-1]})
         assert mean["fc"] == pytest.approx(sum(g) / 3)
         assert held["fc"] <= mean["fc"] * (1 + 1e-12)
         per_load = held["fc"] / (sum(c) / 3)  # settings whose error on the mean load fits
         assert c[-1] * per_load <= g[-1] * (1 + 1e-9)
-    steady = held_layer_sq([{"fc": 2.0}, {"fc": 4.0}], [{"fc": 1.0}, {"fc": 2.0}])
+    steady = held_layer_sq([{"fc": 2.0}, {"fc": 4.0}], {"fc": 1.5}, {"fc": 2.0})
     assert steady[1]["fc"] == pytest.approx(3.0)
 
 
 def test_held_budget_without_loads_or_for_unloaded_modules_is_the_mean() -> None:
     grad_sq = [{"fc": 3.0, "emb": 3.0}, {"fc": 1.0, "emb": 1.0}]
-    assert held_layer_sq(grad_sq, []) == ({"fc": 2.0, "emb": 2.0}, {"fc": 2.0, "emb": 2.0})
-    _, held = held_layer_sq(grad_sq, [{"fc": 1.0}, {"fc": 1.0}])
+    assert held_layer_sq(grad_sq, {}, {}) == ({"fc": 2.0, "emb": 2.0}, {"fc": 2.0, "emb": 2.0})
+    _, held = held_layer_sq(grad_sq, {"fc": 1.0}, {"fc": 1.0})
     assert held == {"fc": 1.0, "emb": 2.0}
 
 
@@ -136,7 +135,6 @@ def test_acgc_budget_follows_a_small_layer_gradient_of_the_latest_calibration() 
         policy._raw_bits["fc:0"] = 32
         for g in (1.0, 1.0, last_g):
             policy._sens.setdefault("fc:0", deque(maxlen=3)).append((4096, {"fc": 1.0}, 0.0))
-            policy._layer_load.append(layer_loads({"fc:0": policy._sens["fc:0"][-1]}))
             policy._layer_grad_sq.append({"fc": g})
             policy._grad_sq.append(1.0)
         policy._allocate()

@@ -217,7 +217,6 @@ class ACGCPolicy(
         self._layer_noise_sq: deque[dict[str, float]] = deque(maxlen=history)  # ‖g1_m − g2_m‖²
         self._layer_errors: dict[str, float] = {}  # e_m per module in force (noise budget)
         self._layer_grad_sq: deque[dict[str, float]] = deque(maxlen=history)
-        self._layer_load: deque[dict[str, float]] = deque(maxlen=history)  # Σ_t c_{t,m}
         self._structure: dict[str, SiteRecord] = {}
         self._step_sens: dict[str, error_model.TensorSensitivity] = {}  # the last calibration's
         self._norm_params: list[str] = []
@@ -349,8 +348,6 @@ class ACGCPolicy(
             self._sens.setdefault(key, deque(maxlen=self.history)).append(
                 (s.numel, {m: c * inv for m, c in s.weight_by_module.items()}, s.other * inv)
             )
-        latest = {k: self._sens[k][-1] for k in sens}  # with the probes' entries, if any
-        self._layer_load.append(layer_loads(self.probed_all(latest)))
         self._update_target(g_sq)
         self._layer_grad_sq.append({m: v * inv for m, v in layer.items()})
         self._step_sens = sens
@@ -375,7 +372,9 @@ class ACGCPolicy(
         if self.codec == "quant" and self.verify and not self._readings:
             e_sq *= self.first_aim  # κ is a guess until the first measurement
         g_sq = self._budget_grad_sq  # relative: see there
-        layer_sq, held = held_layer_sq(self._layer_grad_sq, self._layer_load)
+        sens = self.probed_all(average(self._sens))
+        latest = self.probed_all({k: v[-1] for k, v in self._sens.items()})
+        layer_sq, held = held_layer_sq(self._layer_grad_sq, layer_loads(sens), layer_loads(latest))
         # modules not held to e themselves (below layer_floor) join the global budget
         floor = self.layer_floor * g_sq
         layer_sq = {m: v if v > floor else 0.0 for m, v in layer_sq.items()}
@@ -386,7 +385,6 @@ class ACGCPolicy(
         scale = self.layer_kappa / self.error_target**2
         e_m = self._layer_errors
         layer_sq = {m: v and held[m] * e_m[m] ** 2 * scale for m, v in layer_sq.items()}
-        sens = self.probed_all(average(self._sens))
         share = self.own_share(sens)
         if self.codec == "bounded":
             args = (layer_sq, g_sq, e_sq, self.lam, self._own_scale, share)

@@ -85,21 +85,22 @@ def layer_loads(sens: Mapping[str, Sensitivity]) -> dict[str, float]:
 
 
 def held_layer_sq(
-    grad_sq: Sequence[dict[str, float]], loads: Sequence[dict[str, float]]
+    grad_sq: Sequence[dict[str, float]], load: dict[str, float], latest: dict[str, float]
 ) -> tuple[dict[str, float], dict[str, float]]:
-    """Per module, from the last calibrations' ‖g_m‖² (``grad_sq``) and loads Σ_t c_{t,m}
-    (``loads``, both relative to their step's ‖g‖², the latest last): the mean ‖g_m‖²,
-    and the ‖g_m‖² its own budget takes, the mean load times the latest reading's
-    ‖g_m‖² / load (at most the mean). The allocation reads averaged loads; a budget from
-    the mean ‖g_m‖² let the calibration step whose ‖g_m‖² was small for its load break
-    it (a char-LM's ``attn.qkv`` at 5-9x the previous readings' ratio measured 1.8e).
-    The largest ratio of the last readings instead held BERT's query and key to their
-    first steps' (the BERT recipe's fits: 7.2x -> 6.3x, 8.0x -> 6.0x).
+    """Per module, from the last calibrations' ‖g_m‖² (``grad_sq``, each relative to its
+    step's ‖g‖², the latest last) and the load Σ_t c_{t,m} of the tensors that reach it
+    (``load``: of the averaged sensitivities the allocation reads; ``latest``: of the
+    latest readings, :func:`layer_loads`): the mean ‖g_m‖², and the ‖g_m‖² its own
+    budget takes, ``load`` times the latest reading's ‖g_m‖² / ``latest`` (at most the
+    mean). A budget from the mean ‖g_m‖² let the calibration step whose ‖g_m‖² was small
+    for its load break it (a char-LM's ``attn.qkv`` at 5-9x the previous readings' ratio
+    measured 1.8e). The largest ratio of the last readings instead held BERT's query and
+    key to their first steps' (the BERT recipe's fits: 7.2x -> 6.3x, 8.0x -> 6.0x).
 
     Example:
-        >>> held_layer_sq([{"fc": 4.0}, {"fc": 1.0}], [{"fc": 1.0}, {"fc": 1.0}])
+        >>> held_layer_sq([{"fc": 4.0}, {"fc": 1.0}], {"fc": 1.0}, {"fc": 1.0})
         ({'fc': 2.5}, {'fc': 1.0})
-        >>> held_layer_sq([{"fc": 1.0}, {"fc": 4.0}], [{"fc": 1.0}, {"fc": 1.0}])[1]
+        >>> held_layer_sq([{"fc": 1.0}, {"fc": 4.0}], {"fc": 1.0}, {"fc": 1.0})[1]
         {'fc': 2.5}
     """
     mean: dict[str, float] = {}
@@ -107,13 +108,10 @@ def held_layer_sq(
         for m, v in reading.items():
             mean[m] = mean.get(m, 0.0) + v / len(grad_sq)
     held = dict(mean)
-    if len(loads) != len(grad_sq):  # (a checkpoint without loads: the mean)
-        return mean, held
     for m, v in mean.items():
-        g, c = grad_sq[-1].get(m), loads[-1].get(m)
+        g, c = grad_sq[-1].get(m), latest.get(m)
         if g and c:
-            load = sum(c.get(m, 0.0) for c in loads) / len(loads)
-            held[m] = min(v, load * g / c)
+            held[m] = min(v, load.get(m, 0.0) * g / c)
     return mean, held
 
 

@@ -55,7 +55,6 @@ class ACGCState:
             "grad_sq": list(self._grad_sq),
             "layer_noise_sq": list(self._layer_noise_sq),
             "layer_grad_sq": list(self._layer_grad_sq),
-            "layer_load": list(self._layer_load),
             "inv_var": dict(self._inv_var),
             "saturating": sorted(self._saturating),
             "structure": {k: dataclasses.asdict(r) for k, r in self._structure.items()},
@@ -93,11 +92,8 @@ class ACGCState:
         noise = state.get("layer_noise_sq") or [{"": v} for v in state.get("noise_sq", ())]
         self._layer_noise_sq = deque(noise, maxlen=self.history)
         self._layer_grad_sq = deque(state["layer_grad_sq"], maxlen=self.history)
-        # (checkpoints without loads: budgets from the mean ‖g_m‖² until the next readings)
-        self._layer_load = deque(state.get("layer_load", ()), maxlen=self.history)
         if not state.get("sens_relative", False):  # absolute readings: measured anew
             self._sens, self._layer_grad_sq = {}, deque(maxlen=self.history)
-            self._layer_load = deque(maxlen=self.history)
         self._inv_var = dict(state["inv_var"])
         self._structure = {
             k: SiteRecord(**{**r, "shape": tuple(r["shape"])})
