@@ -320,12 +320,15 @@ def promise_bar(promise: dict[str, Any]) -> tuple[bool, str]:
     each = ", ".join(
         f"{r} {v['kept']}/{v['calibrations']}" for r, v in summary.items() if r != "all"
     )
+    step = ""
+    if "layer_step_kept" in s:  # every layer also within e_m of its step's own ‖g_m‖
+        step = f"; against each step's own ‖g_m‖ alone: {s['layer_step_kept']}"
     return s["share"] >= PROMISE_BAR, (
         f"acgc's promise over whole fits (the sweep's recipes at the default e, calibrating "
         f"every {promise['calibrate_every']} steps): both the global error ≤ e and every "
         f"layer within its e_m on {s['kept']} of {s['calibrations']} verified calibrations "
-        f"({100 * s['share']:.1f}%: {each}; worst layer {s['worst_layer']:.2f}x its bound) "
-        f"(bar: ≥ {100 * PROMISE_BAR:g}%)"
+        f"({100 * s['share']:.1f}%: {each}; worst layer {s['worst_layer']:.2f}x its bound"
+        f"{step}) (bar: ≥ {100 * PROMISE_BAR:g}%)"
     )
 
 

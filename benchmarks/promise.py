@@ -8,8 +8,12 @@ real text, the ResNet, BERT and GNN recipes) is trained with acgc at its default
 calibrating every ``--calibrate-every`` steps (5: ~27 calibrations a char-LM fit instead
 of 4), one fit per seed. Every verified calibration logs ``grad_error`` (‖ĝ − g‖/‖g‖ of
 the step, the settings in force against the exact gradient of the same batch) and
-``layer_budget_use`` (the worst module's ‖ĝ_m − g_m‖ / (e_m‖g_m‖)); a calibration keeps
-the promise when the first is ≤ e and the second ≤ 1.
+``layer_budget_use`` (the worst module's ‖ĝ_m − g_m‖ / (e_m‖g_m‖), ‖g_m‖² the larger of
+the step's and the recent calibrations' mean: the scale Adam divides by,
+``ModelCorrections.layer_scale``); a calibration keeps the promise when the first is ≤ e
+and the second ≤ 1. ``layer_step_kept`` counts the calibrations whose every layer was also
+within e_m of that step's own ‖g_m‖ (the stricter reading: an attention key's ‖g_m‖ moves
+10⁴x within a few steps).
 
 Prints one JSON line: per recipe and seed the calibrations, how many kept each promise,
 the worst readings (and, per broken calibration, the module that used most of its
@@ -55,6 +59,7 @@ class PromiseRecorder(pl.Callback):
                 "grad_error": m["grad_error"],
                 "error_target": m.get("error_target", self.policy.gradient_error),
                 "layer_budget_use": m["layer_budget_use"],
+                "layer_step_use": m.get("layer_step_use", m["layer_budget_use"]),
                 "module": getattr(self.policy, "worst_layer", None),
             })  # fmt: skip
 
@@ -79,11 +84,13 @@ def fit_with_acgc(recipe: str, seed: int, calibrate_every: int) -> dict[str, Any
     readings = recorder.readings
     kept_global = [r["grad_error"] <= r["error_target"] for r in readings]
     kept_layer = [r["layer_budget_use"] <= 1 for r in readings]
+    kept_step = [r["layer_step_use"] <= 1 for r in readings]  # against the step's own ‖g_m‖
     ratios = [r["grad_error"] / r["error_target"] for r in readings]
     broken = [
         {
             "step": r["step"],
             "layer": round(r["layer_budget_use"], 3),
+            "layer_step": round(r["layer_step_use"], 3),
             "global": round(g, 3),
             "module": r["module"],
         }
@@ -96,6 +103,7 @@ def fit_with_acgc(recipe: str, seed: int, calibrate_every: int) -> dict[str, Any
         "calibrations": len(readings),
         "global_kept": sum(kept_global),
         "layer_kept": sum(kept_layer),
+        "layer_step_kept": sum(kept_step),
         "kept": len(readings) - len(broken),
         "worst_global": round(max(ratios, default=math.nan), 3),
         "worst_layer": round(max((r["layer_budget_use"] for r in readings), default=math.nan), 3),
@@ -127,6 +135,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "share": round(kept / n, 4) if n else math.nan,
             "worst_layer": max(r["worst_layer"] for r in mine),
         }
+        if all("layer_step_kept" in r for r in mine):
+            out[name]["layer_step_kept"] = sum(r["layer_step_kept"] for r in mine)
     return out
 
 

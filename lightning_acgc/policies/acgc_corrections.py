@@ -11,7 +11,9 @@ weight op's own saved input gets at most ``layer_share`` of E·‖g_W‖² (with
 probed, the probed tensors with it, ``own_share``), divided by a per-layer correction
 μ_m; errors that reach a layer through δ (from the other ops' saved tensors) are weighted
 by a correction λ. On every verified calibration each
-module's own gradient error is measured against target · e²‖g_m‖²; a module over it by
+module's own gradient error is measured against target · e²‖g_m‖², ‖g_m‖² the larger of
+the step's and the recent calibrations' mean (:meth:`ModelCorrections.layer_scale`: the
+scale Adam divides by); a module over it by
 r tightens μ_m and λ by r (each the largest of its last ``history`` readings, rising at
 most 16x per reading). Modules whose gradient is below ``layer_floor`` of ‖g‖² are not
 held to e. The worst module's error is logged as ``layer_grad_error``, the largest λ as
@@ -84,6 +86,32 @@ class ModelCorrections:
         """μ_m: the extra tightening of weight op ``module``'s own input."""
         return max(self._own_readings.get(module, ()), default=1.0)
 
+    def layer_scale(self, module_g: dict[str, float]) -> dict[str, float]:
+        """Each module's ‖g_m‖² as the per-layer promise reads it: the larger of this
+        step's (``module_g``) and the mean over the last ``history`` calibrations, this
+        one included. Adam divides each coordinate by the running RMS of its gradient:
+        an error within e of that RMS moves the update by at most e of a typical one, and
+        an error within e of this step's gradient keeps its direction within e. A single
+        step's ‖g_m‖ alone swings too much to promise against: an attention key's of the
+        BERT recipe moved 10⁴x within 5 steps, the ratio of its rounding error to it
+        100x; the char-LM's ``attn.qkv`` fell 4-9x against its load on the steps it broke.
+
+        Example:
+            >>> from lightning_acgc.policies.acgc import ACGCPolicy
+            >>> policy = ACGCPolicy()
+            >>> policy._grad_sq.extend([2.0, 4.0])  # ‖g‖² of two calibrations
+            >>> policy._layer_grad_sq.extend([{"a": 0.5, "b": 0.1}, {"a": 0.01, "b": 0.5}])
+            >>> policy.layer_scale({"a": 0.04, "b": 2.0})  # a: (0.5·2 + 0.01·4) / 2
+            {'a': 0.52, 'b': 2.0}
+        """
+        pairs = list(zip(reversed(self._layer_grad_sq), reversed(self._grad_sq), strict=False))
+        if not pairs:
+            return dict(module_g)
+        return {
+            m: max(g, sum(rel.get(m, 0.0) * total for rel, total in pairs) / len(pairs))
+            for m, g in module_g.items()
+        }
+
     def _measure(self, g_sq: float, err_sq: float) -> float:
         """Log the measured error; compare it with the model's prediction for the settings.
         Returns κ's change (new / old; 1 where nothing was predicted)."""
@@ -128,24 +156,29 @@ class ModelCorrections:
         ``history`` readings, so it falls back at once where a tightening was not needed,
         and rises at most ``max_tightening`` per reading, so a source that was not the
         cause does not ratchet up."""
-        worst = use = 0.0
+        worst = use = step_use = 0.0
         needs: dict[str, float] = {}  # measured error / budget, per module
         through_delta: dict[str, float] = {}  # the part of that not from its own input
         share = self.own_share()
-        for module, g in module_g.items():
+        scale = self.layer_scale(module_g)
+        for module, g_now in module_g.items():
+            g = scale[module]  # the promise's ‖g_m‖² (layer_scale)
             if g <= self.layer_floor * g_sq:
                 continue
             err = module_err.get(module, 0.0)
             e_m = self._layer_errors.get(module, self.error_target)
             budget = self.target * e_m**2
-            worst = max(worst, err / g)
+            if g_now > 0:
+                worst = max(worst, err / g_now)
+                step_use = max(step_use, err / (e_m**2 * g_now))
             if err / (e_m**2 * g) > use:
                 use, self.worst_layer = err / (e_m**2 * g), module
             needs[module] = err / (budget * g)
             own = self._predicted_own.get(module, 0.0)
             through_delta[module] = max(err - own, 0.0) / ((1 - share) * budget * g)
         self._metrics["layer_grad_error"] = math.sqrt(worst)
-        self._metrics["layer_budget_use"] = math.sqrt(use)  # worst ‖ĝ_m − g_m‖ / (e_m‖g_m‖)
+        self._metrics["layer_budget_use"] = math.sqrt(use)  # ‖ĝ_m − g_m‖ / (e_m·layer_scale)
+        self._metrics["layer_step_use"] = math.sqrt(step_use)  # the same against this ‖g_m‖
         if self._predicted is None or not needs:
             return  # the settings in force were not allocated this step (first step)
         if self.codec == "quant":
