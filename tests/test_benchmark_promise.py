@@ -14,6 +14,9 @@ def test_a_fit_counts_each_verified_calibration_once() -> None:
     expected = sum(is_calibration_step(s, 5, 3) for s in range(steps))
     assert run["calibrations"] == expected
     assert 0 <= run["kept"] <= min(run["global_kept"], run["layer_kept"])
+    # each step's own ‖g_m‖² is never above the promise's scale: the stricter count
+    assert run["layer_step_kept"] <= run["layer_kept"]
+    assert all(b["layer_step"] >= b["layer"] for b in run["broken_at"])
     assert len(run["broken_at"]) == run["calibrations"] - run["kept"]
     assert all(b["module"] for b in run["broken_at"])
     assert run["worst_module"] in {n for n, _ in _gnn_modules()}
@@ -40,3 +43,7 @@ def test_the_bar_is_met_only_at_99_percent_of_calibrations() -> None:
     runs[1]["kept"] = 97
     met, short = bars({"promise": {"calibrate_every": 5, "summary": summarize(runs)}})
     assert any("196 of 200" in line for line in short)
+    for run, step_kept in zip(runs, (90, 95), strict=True):
+        run["layer_step_kept"] = step_kept
+    met, short = bars({"promise": {"calibrate_every": 5, "summary": summarize(runs)}})
+    assert any("each step's own ‖g_m‖ alone: 185" in line for line in short)
