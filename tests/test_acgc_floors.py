@@ -9,8 +9,10 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_acgc.engine.sites import SiteInfo
 from lightning_acgc.policies import ACGCPolicy, build_policy
-from lightning_acgc.policies.bit_allocation import KEEP, LADDER
+from lightning_acgc.policies.bit_allocation import HALF, KEEP, LADDER
+from lightning_acgc.policies.error_model import BIAS_FLOOR
 from lightning_acgc.policies.gradient_stats import weight_fan_in
 
 
@@ -211,3 +213,35 @@ def test_kappa_below_one_does_not_loosen_a_layers_own_budget() -> None:
     nominal, loose, tight = widths(1.0), widths(0.05), widths(16.0)
     assert loose["fc:0"] == nominal["fc:0"] < tight["fc:0"]
     assert loose["act:0"] < nominal["act:0"] < tight["act:0"]
+
+
+def _with_softmax(policy: ACGCPolicy) -> ACGCPolicy:
+    """:func:`_policy` with a softmax output saved in each scope (``enc.*.attn:p``)."""
+    for scope in ("enc.0.attn", "enc.1.attn"):
+        p = torch.softmax(torch.randn(4, 8, requires_grad=True), -1)
+        policy.note_tensor(SiteInfo(scope, "Attention", 9), p)
+        policy.note_tensor(SiteInfo(scope, "Attention", 8), torch.tanh(p))
+    assert policy._softmax == {"enc.0.attn:9", "enc.1.attn:9"}
+    assert {"enc.0.attn:8", "enc.0.attn:9"} <= policy._saturating
+    return policy
+
+
+def test_softmax_outputs_go_to_float16_in_every_block_after_an_alarm() -> None:
+    """The query of scope 0 at 3x its budget through δ: the softmax output of every block
+    (its class) is held as float16 from then on, also when the scope has room again; the
+    tanh output keeps the bias floor. 1.5x over (under SOFTMAX_ALARM) holds nothing."""
+    calm = _with_softmax(_policy())
+    calm._update_floors({"enc.0.attn.q": 1.5}, through_delta={"enc.0.attn.q": 1.5})
+    assert calm.floors()["enc.0.attn:9"] == BIAS_FLOOR
+    policy = _with_softmax(_policy())
+    policy._update_floors({"enc.0.attn.q": 3.0}, through_delta={"enc.0.attn.q": 3.0})
+    for _ in range(2):  # held for good: well within budget afterwards
+        floors = policy.floors()
+        assert floors["enc.0.attn:9"] == floors["enc.1.attn:9"] == HALF
+        assert floors["enc.0.attn:8"] == BIAS_FLOOR
+        policy._update_floors({"enc.0.attn.q": 0.01}, through_delta={"enc.0.attn.q": 0.01})
+    state = policy.state_dict()
+    resumed = ACGCPolicy(gradient_error=0.1)
+    resumed.load_state_dict(state)
+    assert resumed._softmax_held == {"enc.*.attn:9"}
+    assert resumed.floors()["enc.1.attn:9"] == HALF

@@ -12,7 +12,7 @@ from torch import nn
 from lightning_acgc.codecs.base import Codec
 from lightning_acgc.engine.meter import SiteRecord
 from lightning_acgc.policies.bit_allocation import KEEP, LADDER
-from lightning_acgc.policies.error_model import SATURATING_TYPES
+from lightning_acgc.policies.error_model import SATURATING_TYPES, SOFTMAX_TYPES
 
 __all__ = ["ACGCState"]
 
@@ -57,6 +57,8 @@ class ACGCState:
             "layer_grad_sq": list(self._layer_grad_sq),
             "inv_var": dict(self._inv_var),
             "saturating": sorted(self._saturating),
+            "softmax": sorted(self._softmax),
+            "softmax_held": sorted(self._softmax_held),
             "structure": {k: dataclasses.asdict(r) for k, r in self._structure.items()},
             "probe_readings": {k: list(v) for k, v in self._probe_readings.items()},
             "probed_at": dict(self._probed_at),
@@ -102,6 +104,9 @@ class ACGCState:
         # (checkpoints from before the saturating sites were noted: those of their type)
         saturating = [k for k, r in self._structure.items() if r.module_type in SATURATING_TYPES]
         self._saturating = set(state.get("saturating", saturating))
+        softmax = [k for k, r in self._structure.items() if r.module_type in SOFTMAX_TYPES]
+        self._softmax = set(state.get("softmax", softmax))
+        self._softmax_held = set(state.get("softmax_held", ()))
         self._probe_readings = {
             k: deque(v, maxlen=self.history) for k, v in state.get("probe_readings", {}).items()
         }

@@ -41,6 +41,7 @@ __all__ = [
     "is_norm_statistic",
     "norm_inv_var",
     "saturating_output",
+    "softmax_output",
     "tensor_sensitivities",
 ]
 
@@ -224,6 +225,12 @@ SATURATING_OPS = frozenset(
     {"TanhBackward0", "SigmoidBackward0", "SoftmaxBackward0", "LogSoftmaxBackward0"}
 )
 BIAS_FLOOR = 4
+# Softmax outputs (a module of these types, or F.softmax: its autograd node). The gradients
+# that reach an attention's query and key through the softmax's backward are 1e-6 of
+# ‖g‖² and nearly cancel: rounding the saved probabilities alone, at 8 bits, put a key's
+# gradient at 10x its own bound on some steps of the BERT recipe; as float16, within it.
+SOFTMAX_TYPES = frozenset({"Softmax", "Softmin"})
+SOFTMAX_OPS = frozenset({"SoftmaxBackward0"})
 
 
 def saturating_output(x: torch.Tensor) -> bool:
@@ -236,6 +243,18 @@ def saturating_output(x: torch.Tensor) -> bool:
     """
     node = x.grad_fn
     return node is not None and node.name() in SATURATING_OPS
+
+
+def softmax_output(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a softmax's output, however it was called.
+
+    Example:
+        >>> s = torch.randn(2, 8, requires_grad=True)
+        >>> softmax_output(torch.softmax(s, -1)), softmax_output(torch.tanh(s))
+        (True, False)
+    """
+    node = x.grad_fn
+    return node is not None and node.name() in SOFTMAX_OPS
 
 
 def norm_inv_var(x: torch.Tensor, module_type: str) -> float | None:
