@@ -229,10 +229,14 @@ def _with_softmax(policy: ACGCPolicy) -> ACGCPolicy:
 def test_softmax_outputs_go_to_float16_in_every_block_after_an_alarm() -> None:
     """The query of scope 0 at 3x its budget through δ: the softmax output of every block
     (its class) is held as float16 from then on, also when the scope has room again; the
-    tanh output keeps the bias floor. 1.5x over (under SOFTMAX_ALARM) holds nothing."""
+    tanh output keeps the bias floor. 1.5x over (under SOFTMAX_ALARM), or a module outside
+    the attention that saved the softmax, holds nothing."""
     calm = _with_softmax(_policy())
     calm._update_floors({"enc.0.attn.q": 1.5}, through_delta={"enc.0.attn.q": 1.5})
     assert calm.floors()["enc.0.attn:9"] == BIAS_FLOOR
+    outside = _with_softmax(_policy())  # a module of the block around the attention
+    outside._update_floors({"enc.0.ln": 3.0}, through_delta={"enc.0.ln": 3.0})
+    assert outside.floors()["enc.0.attn:9"] == BIAS_FLOOR
     policy = _with_softmax(_policy())
     policy._update_floors({"enc.0.attn.q": 3.0}, through_delta={"enc.0.attn.q": 3.0})
     for _ in range(2):  # held for good: well within budget afterwards
