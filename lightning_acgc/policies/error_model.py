@@ -241,8 +241,7 @@ def saturating_output(x: torch.Tensor) -> bool:
         >>> saturating_output(torch.softmax(s, -1)), saturating_output(torch.relu(s))
         (True, False)
     """
-    node = x.grad_fn
-    return node is not None and node.name() in SATURATING_OPS
+    return _made_by(x, SATURATING_OPS)
 
 
 def softmax_output(x: torch.Tensor) -> bool:
@@ -253,8 +252,13 @@ def softmax_output(x: torch.Tensor) -> bool:
         >>> softmax_output(torch.softmax(s, -1)), softmax_output(torch.tanh(s))
         (True, False)
     """
+    return _made_by(x, SOFTMAX_OPS)
+
+
+def _made_by(x: torch.Tensor, ops: frozenset[str]) -> bool:
+    """Whether the autograd node that made ``x`` is one of ``ops`` (by name)."""
     node = x.grad_fn
-    return node is not None and node.name() in SOFTMAX_OPS
+    return node is not None and node.name() in ops
 
 
 def norm_inv_var(x: torch.Tensor, module_type: str) -> float | None:
