@@ -12,6 +12,7 @@ from torch import nn
 from lightning_acgc import compress_activations
 from lightning_acgc.codecs.spec import CodecSpec
 from lightning_acgc.engine.derive import Origin, derive_plan
+from lightning_acgc.kernels.mask import mask_pack
 from lightning_acgc.policies.fixed import FixedPolicy
 from tests.test_derive import (
     Deriving,
@@ -162,6 +163,7 @@ def test_derive_plan_of_a_relu_needs_a_batch_norm_input():
     z = torch.relu(y)
     plan = derive_plan(z, saved)
     assert plan is not None and plan.name == "relu of batch_norm" and plan.kept is not None
+    assert torch.equal(plan.kept, mask_pack(~(y <= 0)))  # the ReLU's mask, packed
     assert plan.sources == (0, len(saved) - 2, len(saved) - 1)
     assert derive_plan(z, saved[:-1]) is None  # 1/σ missing
 

@@ -1,6 +1,7 @@
-"""``mask_affine``: a ReLU's output remade from its BatchNorm's input and its exact mask.
-The compiled CPU path against the torch reference (bit-identical, NaN in the same places)
-and the reference against its definition."""
+"""``mask_affine``: a ReLU's output remade from its BatchNorm's input and its exact mask;
+``mask_positive``: that mask, packed from the ReLU's input in one pass. The compiled CPU
+paths against the torch references (bit-identical, NaN in the same places) and the
+references against their definitions."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ import pytest
 import torch
 
 from lightning_acgc.kernels.common import cpu_lib
-from lightning_acgc.kernels.mask import mask_affine, mask_affine_ref, mask_pack
+from lightning_acgc.kernels.mask import (
+    mask_affine,
+    mask_affine_ref,
+    mask_pack,
+    mask_positive,
+    mask_positive_ref,
+    mask_unpack,
+)
 
 TINY = torch.finfo(torch.float32).tiny
 
@@ -109,9 +117,9 @@ def test_empty_non_contiguous_and_float64():
     assert got.dtype == torch.float64
 
 
-def _compiled_variant(tmp_path, flags: list[str]):
+def _compiled_variant(tmp_path, flags: list[str], name: str = "acgc_mask_affine_f32"):
     """``mask.c`` built with extra ``flags`` (the AVX2 and the scalar paths, which the
-    machine's own build may not take), its ``acgc_mask_affine_f32`` via ctypes."""
+    machine's own build may not take), its function ``name`` via ctypes."""
     import ctypes
     import shutil
     import subprocess
@@ -123,8 +131,8 @@ def _compiled_variant(tmp_path, flags: list[str]):
     target = tmp_path / f"mask{len(flags)}.so"
     cmd = [compiler, *cpu_lib._FLAGS[:1], "-march=native", *flags, *cpu_lib._FLAGS[2:]]
     subprocess.run([*cmd, str(source), "-o", str(target)], check=True, capture_output=True)
-    fn = ctypes.CDLL(str(target)).acgc_mask_affine_f32
-    fn.restype, fn.argtypes = cpu_lib._SIGNATURES["acgc_mask_affine_f32"]
+    fn = getattr(ctypes.CDLL(str(target)), name)
+    fn.restype, fn.argtypes = cpu_lib._SIGNATURES[name]
     return fn
 
 
@@ -142,3 +150,46 @@ def test_avx2_and_scalar_paths_match_the_reference(tmp_path, flags):
                shift.data_ptr(), None if add is None else add.data_ptr(), bits.data_ptr(),
                TINY, out.data_ptr(), 2)  # fmt: skip
             assert _same(out, mask_affine_ref(x, scale, shift, bits, TINY, add)), shape
+
+
+def _relu_inputs() -> list[torch.Tensor]:
+    """Inputs of every length class (under 8, whole bytes, a tail) and adversarial values."""
+    g = torch.Generator().manual_seed(1)
+    return [
+        _adversarial(torch.randn(n, generator=g))
+        for n in (0, 1, 7, 8, 9, 64, 1001, 70001)  # 70001: several threads, a tail
+    ]
+
+
+def test_positive_mask_reference_is_its_definition():
+    x = torch.tensor([1.0, -1.0, 0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-45])
+    assert mask_unpack(mask_positive_ref(x), 8).tolist() == [
+        True, False, False, False, True, True, False, True,
+    ]  # fmt: skip
+
+
+@pytest.mark.skipif(cpu_lib.cpu_library() is None, reason="no C compiler here")
+def test_positive_mask_compiled_path_is_bit_identical():
+    for x in _relu_inputs():
+        assert torch.equal(mask_positive(x, backend="cpu"), mask_positive_ref(x)), x.numel()
+    wide = torch.randn(6, 40)
+    view = wide[:, ::2]  # non-contiguous: packed in the view's own (row-major) order
+    assert torch.equal(mask_positive(view, backend="cpu"), mask_pack(~(view <= 0)))
+    zero_d = torch.tensor(-3.0)
+    assert mask_positive(zero_d, backend="cpu").tolist() == [0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_positive_mask_of_other_float_types(dtype):
+    x = _adversarial(torch.randn(3, 333)).to(dtype)
+    assert torch.equal(mask_positive(x), mask_pack(~(x <= 0)))
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 flags")
+@pytest.mark.parametrize("flags", [["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2"]])
+def test_positive_mask_avx2_and_scalar_paths_match_the_reference(tmp_path, flags):
+    fn = _compiled_variant(tmp_path, flags, "acgc_mask_positive_f32")
+    for x in _relu_inputs():
+        out = torch.empty(-(-x.numel() // 8), dtype=torch.uint8)
+        fn(x.data_ptr(), x.numel(), out.data_ptr(), 2)
+        assert torch.equal(out, mask_positive_ref(x)), x.numel()

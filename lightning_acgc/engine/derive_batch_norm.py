@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from lightning_acgc.engine.derive_graph import Derivation, Origin, affine_param, find, placed
-from lightning_acgc.kernels.mask import mask_affine
+from lightning_acgc.kernels.mask import mask_affine, mask_positive, mask_unpack
 
 __all__ = ["BATCH_NORM_NODE", "RELU_NODE", "batch_norm_output", "relu_output"]
 
@@ -196,7 +196,8 @@ def relu_output(saved: Tensor, base: Tensor, recent: list[Origin]) -> Derivation
         position += len(t.sources)
     place, tiny = placed(saved, base), torch.finfo(base.dtype).tiny
     with torch.no_grad():
-        mask = ~(base <= 0)  # NaN passes: it stays NaN
+        mask = mask_positive(base)  # y > 0, packed; NaN passes: it stays NaN
+    shape = base.shape
     first, rest = terms[0], list(zip(terms[1:], starts[1:], strict=True))
 
     def fn(*values: Tensor) -> Tensor:
@@ -214,9 +215,10 @@ def relu_output(saved: Tensor, base: Tensor, recent: list[Origin]) -> Derivation
             return place(mask_affine(values[0], scale, shift, bits, tiny, addend))
 
     def gain(*values: Tensor | None) -> tuple[float, ...]:
-        with torch.no_grad():  # from the mask at hand (``values[-1]`` is its packed copy)
-            passed = mask.sum(dim=[d for d in range(mask.dim()) if d != 1]).double()
-            total = max(mask.numel(), 1)
+        with torch.no_grad():  # ``values[-1]``: the packed mask
+            kept = mask_unpack(values[-1], shape.numel()).view(shape)
+            passed = kept.sum(dim=[d for d in range(kept.dim()) if d != 1]).double()
+            total = max(kept.numel(), 1)
             return tuple(
                 float((passed * _channel_gain(values[at + 2], t.weight)).sum() / total)  # type: ignore[arg-type]
                 if t.norm

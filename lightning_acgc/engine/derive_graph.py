@@ -52,9 +52,9 @@ class Derivation(NamedTuple):
     positions in ``sources`` whose rounding reaches the result: a residual sum has two).
     A value the engine does not hold at hand (a packed tensor saved long before) is
     passed as None: a gain reads only what it needs. Where ``kept`` is a tensor (a ReLU's
-    mask, bool), the engine stores it packed at 1 bit a value
-    (:func:`~lightning_acgc.kernels.mask.mask_pack`) and passes the packed bits to ``fn``
-    and ``gain`` after the sources' values. The sources at positions ``stored`` must be
+    mask, already packed at 1 bit a value: :func:`~lightning_acgc.kernels.mask.mask_pack`'s
+    layout), the engine stores it and passes it to ``fn`` and ``gain`` after the sources'
+    values. The sources at positions ``stored`` must be
     stored, not remade themselves (no chains of residual sums)."""
 
     fn: Callable[..., torch.Tensor]

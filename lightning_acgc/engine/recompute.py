@@ -14,7 +14,6 @@ from lightning_acgc.engine import derive, exact
 from lightning_acgc.engine.meter import SiteRecord
 from lightning_acgc.engine.saved import Saved
 from lightning_acgc.engine.sites import SiteInfo
-from lightning_acgc.kernels.mask import mask_pack
 
 __all__ = ["Recent", "Recomputing"]
 
@@ -98,7 +97,7 @@ class Recomputing:
             return None
         roots = [sources[k] for k in plan.roots]
         of = ", ".join(r.site if isinstance(r, Saved) else "its input" for r in roots)
-        bits = [] if plan.kept is None else [mask_pack(plan.kept)]  # a mask: 1 bit a value
+        bits = [] if plan.kept is None else [plan.kept]  # a mask: 1 bit a value
         saved, rec = self._recomputed(
             site, t, key, ref, raw, [*sources, *bits], plan.fn, f"{plan.name} of {of}",
             sum(b.numel() for b in bits),

@@ -50,6 +50,7 @@ _SIGNATURES = {
     "acgc_quant_noise": (None, [_U64, _I64, _U32, _P]),
     "acgc_mask_pack": (None, [_P, _I64, _P, _I32]),
     "acgc_mask_unpack": (None, [_P, _I64, _P, _I32]),
+    "acgc_mask_positive_f32": (None, [_P, _I64, _P, _I32]),
     "acgc_mask_affine_f32": (None, [_P, _I64, _I64, _I64, _P, _P, _P, _P, _F32, _P, _I32]),
     "acgc_has_f16": (_I32, []),
     "acgc_bounded_pack": (

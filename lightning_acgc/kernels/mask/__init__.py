@@ -7,14 +7,26 @@ from __future__ import annotations
 import torch
 
 from lightning_acgc.kernels.common.dispatch import route
-from lightning_acgc.kernels.mask.cpu import mask_affine_cpu, mask_pack_cpu, mask_unpack_cpu
-from lightning_acgc.kernels.mask.reference import mask_affine_ref, mask_pack_ref, mask_unpack_ref
+from lightning_acgc.kernels.mask.cpu import (
+    mask_affine_cpu,
+    mask_pack_cpu,
+    mask_positive_cpu,
+    mask_unpack_cpu,
+)
+from lightning_acgc.kernels.mask.reference import (
+    mask_affine_ref,
+    mask_pack_ref,
+    mask_positive_ref,
+    mask_unpack_ref,
+)
 
 __all__ = [
     "mask_affine",
     "mask_affine_ref",
     "mask_pack",
     "mask_pack_ref",
+    "mask_positive",
+    "mask_positive_ref",
     "mask_unpack",
     "mask_unpack_ref",
 ]
@@ -31,6 +43,22 @@ def mask_pack(mask: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """
     fn = route(mask, backend, mask_pack_ref, f"{_TRITON}:mask_pack_triton", mask_pack_cpu)
     return fn(mask.contiguous() if fn is not mask_pack_ref else mask)
+
+
+def mask_positive(x: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """The packed mask of a ReLU's input, ``mask_pack(~(x <= 0))`` (positive or NaN: a
+    NaN passes the ReLU as NaN): on the CPU one pass over a float32 ``x``, elsewhere
+    the comparison and :func:`mask_pack` (Triton on CUDA).
+
+    Example:
+        >>> mask_positive(torch.tensor([1.0, -2.0, float("nan"), 0.0])).tolist()
+        [5]
+    """
+    cpu = mask_positive_cpu if x.dtype == torch.float32 else None
+    fn = route(x, backend, mask_positive_ref, None, cpu)
+    if fn is mask_positive_ref:
+        return mask_pack(~(x <= 0), backend)
+    return fn(x)
 
 
 def mask_unpack(packed: torch.Tensor, numel: int, backend: str = "auto") -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 
 from lightning_acgc.kernels.common.cpu_lib import cpu_library, cpu_threads
 
-__all__ = ["mask_affine_cpu", "mask_pack_cpu", "mask_unpack_cpu"]
+__all__ = ["mask_affine_cpu", "mask_pack_cpu", "mask_positive_cpu", "mask_unpack_cpu"]
 
 
 def mask_pack_cpu(mask: torch.Tensor) -> torch.Tensor:
@@ -16,6 +16,16 @@ def mask_pack_cpu(mask: torch.Tensor) -> torch.Tensor:
     out = torch.empty(-(-m.numel() // 8), dtype=torch.uint8)
     if m.numel():
         cpu_library().acgc_mask_pack(m.data_ptr(), m.numel(), out.data_ptr(), cpu_threads())
+    return out
+
+
+def mask_positive_cpu(x: torch.Tensor) -> torch.Tensor:
+    """:func:`~lightning_acgc.kernels.mask.reference.mask_positive_ref` of a float32 CPU
+    tensor in one pass (no bool tensor in between; bit-identical)."""
+    x = x.contiguous().reshape(-1)
+    out = torch.empty(-(-x.numel() // 8), dtype=torch.uint8)
+    if x.numel():
+        cpu_library().acgc_mask_positive_f32(x.data_ptr(), x.numel(), out.data_ptr(), cpu_threads())
     return out
 
 

@@ -10,7 +10,7 @@ import torch
 
 from lightning_acgc.kernels.common.bitpack import pack_codes, unpack_codes
 
-__all__ = ["mask_affine_ref", "mask_pack_ref", "mask_unpack_ref"]
+__all__ = ["mask_affine_ref", "mask_pack_ref", "mask_positive_ref", "mask_unpack_ref"]
 
 
 def mask_pack_ref(mask: torch.Tensor) -> torch.Tensor:
@@ -20,6 +20,12 @@ def mask_pack_ref(mask: torch.Tensor) -> torch.Tensor:
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
     return pack_codes(flat, 1)
+
+
+def mask_positive_ref(x: torch.Tensor) -> torch.Tensor:
+    """The packed mask of a ReLU's input: bit set where ``x`` is positive or NaN
+    (``~(x <= 0)``), in :func:`mask_pack_ref`'s layout."""
+    return mask_pack_ref(~(x <= 0))
 
 
 def mask_unpack_ref(packed: torch.Tensor, numel: int) -> torch.Tensor:

@@ -18,6 +18,30 @@ void acgc_mask_pack(const uint8_t *m, int64_t n, uint8_t *out, int nthreads) {
     }
 }
 
+/* The mask of a ReLU's input x: bit i set where !(x[i] <= 0) (positive, or NaN), packed
+ * as acgc_mask_pack packs bytes; one pass over float32 x, no bool tensor in between. */
+void acgc_mask_positive_f32(const float *x, int64_t n, uint8_t *out, int nthreads) {
+    int64_t nbytes = (n + 7) / 8, full = n / 8;
+#pragma omp parallel for schedule(static) num_threads(THREADS(n))
+    for (int64_t b = 0; b < full; b++) {
+        const float *p = x + 8 * b;
+#if defined(__AVX2__) || defined(__AVX512F__)
+        /* not-less-or-equal, unordered: true for x > 0 and for NaN */
+        __m256 keep = _mm256_cmp_ps(_mm256_loadu_ps(p), _mm256_setzero_ps(), _CMP_NLE_UQ);
+        out[b] = (uint8_t)_mm256_movemask_ps(keep);
+#else
+        uint8_t byte = 0;
+        for (int k = 0; k < 8; k++) byte |= (uint8_t)(!(p[k] <= 0.0f) << k);
+        out[b] = byte;
+#endif
+    }
+    if (full < nbytes) {
+        uint8_t byte = 0;
+        for (int64_t i = 8 * full; i < n; i++) byte |= (uint8_t)(!(x[i] <= 0.0f) << (i - 8 * full));
+        out[full] = byte;
+    }
+}
+
 void acgc_mask_unpack(const uint8_t *packed, int64_t n, uint8_t *out, int nthreads) {
     int64_t full = n / 8;
     /* one 8-byte store per packed byte: the byte copied to all 8 lanes, lane k keeps bit
