@@ -208,10 +208,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="full mode: size presets measured too (default: one per family)",
     )
     parser.add_argument("--codec", default=None, help="acgc's codec (default: its own)")
+    parser.add_argument(
+        "--target", type=float, default=None, help="acgc's target, its margin (default: its own)"
+    )
     parser.add_argument("--plot", default=None, help="write the trade-off plot here (PNG)")
     args = parser.parse_args(argv)
     setup_threads(args)
-    args.acgc_options = {"codec": args.codec} if args.codec else {}
+    options = {"codec": args.codec, "target": args.target}
+    args.acgc_options = {k: v for k, v in options.items() if v is not None}
     torch.manual_seed(0)
     cases = [] if args.quick else list(DEFAULT_CASES["full"] if args.cases is None else args.cases)
     models = {name: compare_model(name, args) for name in args.models}
@@ -221,6 +225,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "acgc_vs_fixed",
         "mode": "quick" if args.quick else "full",
         "machine": machine(resolve_device(args.device)),
+        "acgc_options": args.acgc_options,
         "models": models,
     }
     emit(result)

@@ -64,12 +64,17 @@ class PromiseRecorder(pl.Callback):
             })  # fmt: skip
 
 
-def fit_with_acgc(recipe: str, seed: int, calibrate_every: int) -> dict[str, Any]:
-    """One fit of the sweep's ``recipe`` with acgc at its default: its calibrations."""
+def fit_with_acgc(
+    recipe: str, seed: int, calibrate_every: int, target: float | None = None
+) -> dict[str, Any]:
+    """One fit of the sweep's ``recipe`` with acgc at its default (``target``: its margin,
+    None: its own): its calibrations."""
     from recipes.config_schema import compose_config
 
     overrides = [*RECIPES[recipe], *QUIET, "compression=acgc", f"seed={seed}",
                  f"compression.calibrate_every={calibrate_every}"]  # fmt: skip
+    if target is not None:
+        overrides.append(f"compression.target={target}")
     cfg = compose_config(overrides)
     cfg.compression.print_table = False
     callback = instantiate(cfg.compression)
@@ -151,6 +156,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--recipes", nargs="+", choices=list(RECIPES))
     parser.add_argument("--calibrate-every", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--target", type=float, default=None, help="acgc's margin (its own)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     plan = QUICK_RECIPES if args.quick else FULL_RECIPES
@@ -159,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     runs = []
     for recipe, seeds in plan.items():
         for seed in args.seeds if args.seeds is not None else range(seeds):
-            runs.append(fit_with_acgc(recipe, seed, args.calibrate_every))
+            runs.append(fit_with_acgc(recipe, seed, args.calibrate_every, args.target))
             r = runs[-1]
             print(f"promise: {recipe} seed {seed}: {r['kept']}/{r['calibrations']} kept, "
                   f"worst layer {r['worst_layer']}, ratio {r['ratio']}", flush=True)  # fmt: skip
@@ -168,6 +174,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "mode": "quick" if args.quick else "full",
         "machine": machine(resolve_device(args.device)),
         "calibrate_every": args.calibrate_every,
+        "target": args.target,
         "runs": runs,
         "summary": summarize(runs),
     }

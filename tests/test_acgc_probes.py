@@ -60,7 +60,7 @@ def test_probes_option_sets_the_classes_per_calibration_and_rejects_bad_values()
         ACGCPolicy(probe_scope="attention")
 
 
-def test_probes_option_from_the_hydra_config() -> None:
+def test_probes_and_target_options_from_the_hydra_config() -> None:
     from hydra.utils import instantiate
 
     from recipes.config_schema import compose_config
@@ -68,6 +68,9 @@ def test_probes_option_from_the_hydra_config() -> None:
     overrides = ["compression=acgc", "compression.probes=4", "compression.probe_scope=all"]
     callback = instantiate(compose_config(overrides).compression)
     assert (callback.policy.max_probes, callback.policy.probe_scope) == (4, "all")
+    assert callback.policy.target == 0.35  # null: the policy's own margin
+    callback = instantiate(compose_config([*overrides, "compression.target=0.6"]).compression)
+    assert callback.policy.target == 0.6
 
 
 def _table(scale: float) -> list[float]:
