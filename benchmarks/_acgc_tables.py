@@ -37,26 +37,41 @@ def _global_cell(acgc: dict[str, Any]) -> str:
     return f"{g['grad_error']:.3f}, {g['ratio']:.1f}x ({100 * g['ratio_share']:.0f}%), {within}"
 
 
+def _layers_over(row: dict[str, Any]) -> str:
+    """Modules whose own relative error is over the setting's error, and the worst one's
+    error (``measure`` reads both against the same bound for a setting and for acgc)."""
+    over, worst = row.get("layers_over_error"), row.get("layer_grad_error")
+    if over is None or worst is None:
+        return "–"
+    return f"{over} (worst {worst:.2f})"
+
+
 def acgc_vs_fixed_table(runs: dict[str, dict[str, Any]]) -> list[str]:
     """One row per mode, model and fixed setting; then acgc at its default per model.
+    "layers over that error": the modules whose gradient is off by more than the
+    setting's error relative to their own (‖ĝ_m − g_m‖ > e‖g_m‖), for the setting, then
+    for acgc at that error: the per-layer promise only acgc makes.
 
     Example:
         >>> run = {"models": {"m": {"description": "M", "results": {
         ...     "quant2": {"baseline": {"grad_error": 0.8, "ratio": 14.2},
         ...                "acgc_at_its_error": {"grad_error": 0.4, "ratio": 11.3,
         ...                                      "ratio_share": 0.795, "within": True,
-        ...                                      "calib_errors": [0.01, 0.3]}},
+        ...                                      "calib_errors": [0.01, 0.3],
+        ...                                      "layers_over_error": "0/9",
+        ...                                      "layer_grad_error": 0.61}},
         ...     "acgc_default": {"grad_error": 0.02, "ratio": 5.1, "within": True}}}}}
-        >>> acgc_vs_fixed_table({"full": run})[2].split(" | ")[3:]
-        ['0.800', '14.2x', '0.400 (calibrations ≤ 0.300)', '11.3x', '80%', 'yes', '– |']
+        >>> acgc_vs_fixed_table({"full": run})[2].split(" | ")[6:]
+        ['11.3x', '80%', 'yes', '–', '0/9 (worst 0.61)', '– |']
     """
     if not runs:
         return ["No results: run `python -m benchmarks.run_all --only acgc_vs_fixed`."]
     lines = [
         "| mode | model | setting | its error | its ratio | acgc at that error: measured "
         "| acgc's ratio | share of the setting's ratio | within "
+        "| layers over that error: the setting | acgc "
         "| global promise only: measured, ratio (share), within |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for mode, result in runs.items():
         for model, label, base, acgc in _rows(result):
@@ -65,7 +80,8 @@ def acgc_vs_fixed_table(runs: dict[str, dict[str, Any]]) -> list[str]:
                 f"| {mode} | {model} | {label} | {base['grad_error']:.3f} | {base['ratio']:.1f}x "
                 f"| {acgc['grad_error']:.3f} (calibrations ≤ {max(calib):.3f}) "
                 f"| {acgc['ratio']:.1f}x | {100 * acgc['ratio_share']:.0f}% "
-                f"| {'yes' if acgc['within'] else 'no'} | {_global_cell(acgc)} |"
+                f"| {'yes' if acgc['within'] else 'no'} | {_layers_over(base)} "
+                f"| {_layers_over(acgc)} | {_global_cell(acgc)} |"
             )
         for info in result["models"].values():
             for key, suffix in DEFAULTS.items():
@@ -75,7 +91,8 @@ def acgc_vs_fixed_table(runs: dict[str, dict[str, Any]]) -> list[str]:
                     lines.append(
                         f"| {mode} | {info['description']} | acgc default (e={target:g}){suffix} "
                         f"| – | – | {d['grad_error']:.3f}{_worst_layer(d, target)} "
-                        f"| {d['ratio']:.1f}x | – | {'yes' if d['within'] else 'no'} | – |"
+                        f"| {d['ratio']:.1f}x | – | {'yes' if d['within'] else 'no'} "
+                        "| – | – | – |"
                     )
     return lines
 
@@ -113,6 +130,29 @@ def acgc_vs_fixed_bars(runs: dict[str, dict[str, Any]]) -> tuple[list[str], list
             f"acgc at each fixed setting's own error ({mode} mode): worst {label} on {model}, "
             f"{100 * acgc['ratio_share']:.0f}% of its ratio, "
             f"{'within' if acgc['within'] else 'over'} its error "
-            f"(bar: within, ≥ {100 * RATIO_SHARE_BAR:.0f}%){also}"
+            f"(bar: within, ≥ {100 * RATIO_SHARE_BAR:.0f}%){also}{_layers_note(rows)}"
         )
     return met, short
+
+
+def _layers_note(rows: list[tuple[str, str, dict[str, Any], dict[str, Any]]]) -> str:
+    """How many of their modules the settings and acgc left over that error (the
+    per-layer promise, which only acgc makes), summed over the rows that report it.
+
+    Example:
+        >>> rows = [("M", "q", {"layers_over_error": "3/9"}, {"layers_over_error": "0/9"})]
+        >>> _layers_note(rows)
+        '; modules over that error: the settings 3 of 9, acgc 0 of 9'
+    """
+    counts = [
+        (b["layers_over_error"].split("/"), a["layers_over_error"].split("/"))
+        for *_, b, a in rows
+        if "layers_over_error" in b and "layers_over_error" in a
+    ]
+    if not counts:
+        return ""
+    over = sum(int(b[0]) for b, _ in counts)
+    held = sum(int(b[1]) for b, _ in counts)
+    mine = sum(int(a[0]) for _, a in counts)
+    mine_held = sum(int(a[1]) for _, a in counts)
+    return f"; modules over that error: the settings {over} of {held}, acgc {mine} of {mine_held}"
