@@ -32,6 +32,7 @@ from benchmarks import _plots
 from benchmarks._acgc_tables import acgc_vs_fixed_bars, acgc_vs_fixed_table
 from benchmarks._codec_tables import backends_table, codec_bars, codecs_table
 from benchmarks._gpu_tables import gpu_section, is_gpu_line
+from benchmarks._margin_tables import margin_table
 from benchmarks._tables import (
     accuracy_table,
     bars,
@@ -225,6 +226,14 @@ def render(results: Path = RESULTS, mode: str = "auto") -> str:
         "the calibration steps, exact gradient of the same batch; `benchmarks/acgc_vs_fixed.py`)",
         None,
         acgc_vs_fixed_table(fixed_runs),
+    )
+    lines += _section(
+        "acgc's margin (`target`, the share of e² each allocation aims at): its share of "
+        "each fixed setting's ratio at that setting's error on the quick models, its "
+        "default's ratio, and the verified calibrations of whole fits (the sweep's recipes "
+        "at the default e) that kept the promise (`benchmarks/margin.py`)",
+        picked.get("margin"),
+        margin_table(picked.get("margin")),
     )
     lines += _section(
         "Codec speed: encode and decode as a multiple of `x.clone()` of the same tensor",

@@ -44,6 +44,7 @@ BENCHMARKS = (
     "acgc_vs_fixed",
     "bn_error_model",
     "promise",
+    "margin",
 )
 # Run only when asked (``--only kernels``): the Triton kernels' GB/s mean something on a GPU.
 EXTRA = ("kernels",)
