@@ -17,7 +17,9 @@ fills the table in README.md.
 Full mode on 2 CPU cores (AMD EPYC, last timed 2026-11-25), each case at its default
 batch (``benchmarks/_cases.py``): memory 9 min, speed (5 interleaved rounds) 9 min,
 acgc_vs_fixed 7 min, tradeoff 4 min, batch 1 min, codecs under 1 min, accuracy (3
-configurations x 3 recipes x 3 seeds, 10 epochs) about 15 min: about 45 minutes.
+configurations x 3 recipes x 3 seeds, 10 epochs) about 15 min: about 45 minutes. On
+the 2-core Intel Xeon (2026-11-28): promise about 5 min, margin (3 targets, each with
+promise's fits) about 17 min, and acgc_vs_fixed with its size presets about 19 min.
 """
 
 from __future__ import annotations
