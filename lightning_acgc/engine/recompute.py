@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from lightning_acgc.engine import derive, exact
+from lightning_acgc.engine import derive, exact, extremum
 from lightning_acgc.engine.meter import SiteRecord
 from lightning_acgc.engine.saved import Saved
 from lightning_acgc.engine.sites import SiteInfo
@@ -76,7 +76,14 @@ class Recomputing:
             return self._keep(site, t, key, ref, raw, "compared by its backward")
         named = [s.site for s in sources if isinstance(s, Saved)]
         settings = f"from {', '.join(named) or 'its inputs'}"
-        return self._recomputed(site, t, key, ref, raw, sources, plan[0], settings)[0]
+        stored = 0
+        holder, source = sources[-1], recent[-1].tensor()
+        if isinstance(holder, Saved) and holder.raw is None and source is not None:
+            patch = extremum.extremum_patch(t, source)  # its maxima, exact through rounding
+            if patch is not None:
+                holder.patches = (*holder.patches, patch)
+                stored, settings = patch.nbytes, f"{settings}, its extrema kept"
+        return self._recomputed(site, t, key, ref, raw, sources, plan[0], settings, stored)[0]
 
     def _derived(self, site: SiteInfo, t: torch.Tensor, key: tuple, ref: Any, raw: int) -> Any:
         """An activation's or a LayerNorm's output whose input was saved just before:

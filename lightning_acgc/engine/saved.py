@@ -31,7 +31,8 @@ class Saved:
     engine handed back as it is stands for itself). So does a derived output
     (:mod:`lightning_acgc.engine.derive`), whose sources may end with a stored mask (a
     ReLU's, packed bits). A recomputed tensor, like a decoded one, is kept until the last
-    of its unpacks.
+    of its unpacks. ``patches`` are applied to the decoded or recomputed values (an input
+    of a max reduction: its exact maxima, :mod:`lightning_acgc.engine.extremum`).
     """
 
     __slots__ = (
@@ -43,6 +44,7 @@ class Saved:
         "member",
         "name",
         "packed",
+        "patches",
         "pending",
         "raw",
         "recompute",
@@ -73,6 +75,7 @@ class Saved:
         self.member: Member | None = None
         self.sources = sources
         self.recompute = recompute
+        self.patches: tuple[Callable[[torch.Tensor], torch.Tensor], ...] = ()
 
     def unpack(self) -> torch.Tensor:
         return self._values(consume=True)
@@ -89,16 +92,23 @@ class Saved:
             m, chunk = self.member, self.chunk
             assert m is not None
             flat = chunk.take(m.offset, m.numel) if consume else chunk.peek(m.offset, m.numel)
-            return restore(flat.view(m.shape), self.layout)
+            return self._patched(restore(flat.view(m.shape), self.layout))
         out = self.decoded  # decoded or recomputed: kept for the unpacks still to come
         if out is None and self.recompute is not None:
             out = self.recompute(*(_peek(s) for s in self.sources))
         elif out is None:
             assert self.codec is not None and self.packed is not None
             out = restore(self.codec.decode(self.packed), self.layout)
+        if self.decoded is None:
+            out = self._patched(out)
         self.pending -= int(consume)
         self.decoded = out if self.pending > 0 else None
         return out
+
+    def _patched(self, values: torch.Tensor) -> torch.Tensor:
+        for patch in self.patches:
+            values = patch(values)
+        return values
 
 
 def _peek(source: Saved | torch.Tensor) -> torch.Tensor:
