@@ -21,6 +21,12 @@ from lightning_acgc import (
 )
 from lightning_acgc.engine.extremum import extremum_patch
 
+
+def _nodes(t: torch.Tensor) -> torch.Tensor:
+    """Which of 4 nodes each of 12 messages goes to."""
+    return torch.arange(12, device=t.device) % 4
+
+
 REDUCTIONS = {
     "amax_dim": lambda t: t.amax(-1),
     "amax_keepdim": lambda t: t.amax((1, 2), keepdim=True),
@@ -29,6 +35,16 @@ REDUCTIONS = {
     "amin_dim": lambda t: t.amin(1),
     "max": lambda t: t.max(),
     "min": lambda t: t.min(),
+    # a GNN's max aggregation: messages (rows of the middle dimension) into 4 nodes
+    "scatter_amax": lambda t: t.new_zeros(8, 4, 16).scatter_reduce_(
+        1, _nodes(t).view(1, 12, 1).expand(8, 12, 16), t, "amax", include_self=False
+    ),
+    "scatter_amin_self": lambda t: t[:, :4].scatter_reduce(
+        1, _nodes(t).view(1, 12, 1).expand(8, 12, 16), t, "amin"
+    ),
+    "index_amax": lambda t: t.new_zeros(8, 4, 16).index_reduce_(
+        1, _nodes(t), t, "amax", include_self=False
+    ),
 }
 
 
@@ -71,7 +87,8 @@ def test_the_gradient_reaches_exactly_the_forwards_extrema_at_any_width(
     name: str, bits: int
 ) -> None:
     """Rounded to 2 bits, most of a 16-value row decodes to the top level; the gradient
-    still goes to the forward's maxima alone (the tie of four included), bit for bit."""
+    still goes to the forward's maxima alone (the tie of four included), bit for bit;
+    through a scatter or index reduction too (both its inputs compared)."""
     x = _leaf()
     plain = _input_grad(REDUCTIONS[name], x)
     assert torch.equal(_input_grad(REDUCTIONS[name], x, codec="quant", bits=bits), plain)

@@ -11,18 +11,23 @@ e = 0.05 on some calibration steps; fixed 4-bit quant: 0.15-0.30).
 So at the result's save the engine keeps which input elements were the extrema (one bit
 a value, and the result itself, a value per reduced group) and patches the input's
 decoded values: the extrema get their exact value, every other element is held strictly
-below it (above it for ``amin``). On exact values the patch changes nothing; on decoded
+below it (above it for ``amin``). ``scatter_reduce`` and ``index_reduce`` by ``amax`` or
+``amin`` (a GNN's max aggregation) compare both inputs with the result: ``self`` with
+it elementwise, ``src`` with the result gathered by ``index`` (read, at unpack, from the
+index's holder), so each gets a patch. On exact values the patch changes nothing; on decoded
 ones it moves only the elements that rounding put at or past the extremum, by at most
 their rounding error. The backward then sees exactly the forward's maxima, ties included.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from lightning_acgc.kernels.mask import mask_pack, mask_unpack
 
-__all__ = ["ExtremumPatch", "extremum_patch"]
+__all__ = ["ExtremumPatch", "extremum_patch", "scatter_patches"]
 
 # autograd nodes of max/min reductions (by dims, or over the whole tensor) whose saved
 # input and result are compared in backward
@@ -45,10 +50,17 @@ class ExtremumPatch:
         (True, [3.0, 0.5])
     """
 
-    def __init__(self, bits: torch.Tensor, extremum: torch.Tensor, largest: bool) -> None:
+    def __init__(
+        self,
+        bits: torch.Tensor,
+        extremum: torch.Tensor,
+        largest: bool,
+        expand: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.bits = bits  # packed: which input elements equal their group's extremum
         self.extremum = extremum  # the result, broadcastable against the input
         self.largest = largest
+        self.expand = expand  # the result to the input's shape (a gather by index)
 
     @property
     def nbytes(self) -> int:
@@ -59,7 +71,8 @@ class ExtremumPatch:
         """``values`` (the input's decoded values, its shape) with the extrema exact and
         every other element strictly inside them."""
         at = mask_unpack(self.bits, values.numel()).view(values.shape)
-        top = self.extremum.to(values.dtype)
+        top = self.extremum if self.expand is None else self.expand(self.extremum)
+        top = top.to(values.dtype)
         away = torch.full_like(top, -torch.inf if self.largest else torch.inf)
         inside = torch.nextafter(top, away)
         clamped = torch.minimum(values, inside) if self.largest else torch.maximum(values, inside)
@@ -102,3 +115,58 @@ def extremum_patch(result: torch.Tensor, source: torch.Tensor) -> ExtremumPatch 
             top = top.reshape(shape)
         at = source.detach() == top
         return ExtremumPatch(mask_pack(at.reshape(-1)), top.clone(), largest)
+
+
+def _peek(source: object) -> torch.Tensor:
+    """What a holder unpacks (without using up an unpack), or the tensor itself."""
+    return source.peek() if hasattr(source, "peek") else source  # type: ignore[union-attr]
+
+
+def scatter_patches(
+    result: torch.Tensor,
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    index_holder: object,
+) -> tuple[ExtremumPatch, ExtremumPatch] | None:
+    """For the saved ``result`` of ``scatter_reduce``/``index_reduce`` by ``amax`` or
+    ``amin`` of ``inputs`` = (index, self, src) (the caller has checked it is that
+    reduction of them): the patches of ``self`` and of ``src``; ``src``'s reads the index
+    at unpack from ``index_holder`` (its holder, or the index itself). None for other
+    reductions and empty or integer values. The result is held once (by ``self``'s patch:
+    the caller charges both patches' masks and it).
+
+    Example:
+        >>> src = torch.tensor([[1.0], [3.0], [2.0], [2.0]], requires_grad=True) * 1
+        >>> index = torch.tensor([[0], [0], [1], [1]])
+        >>> out = torch.zeros(2, 1).scatter_reduce(0, index, src, "amax", include_self=False)
+        >>> _, on_src = scatter_patches(out, (index, torch.zeros(2, 1), src), index)
+        >>> fixed = on_src(torch.full((4, 1), 3.0)).flatten()  # a tie, decoded
+        >>> bool(fixed[0] < 3.0), fixed[1].item(), bool((fixed[2:] == 2.0).all())
+        (True, 3.0, True)
+    """
+    node = result.grad_fn
+    name = type(node).__name__ if node is not None else ""
+    if name not in ("ScatterReduceBackward0", "IndexReduceBackward0"):
+        return None
+    reduce = node._saved_reduce  # type: ignore[union-attr]
+    index, values, src = inputs
+    if reduce not in ("amax", "amin") or not src.is_floating_point() or src.numel() == 0:
+        return None
+    dim, largest = int(node._saved_dim), reduce == "amax"  # type: ignore[union-attr]
+
+    def gathered(top: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        if name == "IndexReduceBackward0":
+            return top.index_select(dim, idx)
+        return top.gather(dim, idx)
+
+    with torch.no_grad():
+        top = result.detach().clone()
+        at_src = src.detach() == gathered(top, index)  # the exact index, at the save
+        return (
+            ExtremumPatch(mask_pack((values.detach() == top).reshape(-1)), top, largest),
+            ExtremumPatch(
+                mask_pack(at_src.reshape(-1)),
+                top,
+                largest,
+                lambda t: gathered(t, _peek(index_holder)),  # at unpack, from its holder
+            ),
+        )

@@ -76,13 +76,10 @@ class Recomputing:
             return self._keep(site, t, key, ref, raw, "compared by its backward")
         named = [s.site for s in sources if isinstance(s, Saved)]
         settings = f"from {', '.join(named) or 'its inputs'}"
-        stored = 0
-        holder, source = sources[-1], recent[-1].tensor()
-        if isinstance(holder, Saved) and holder.raw is None and source is not None:
-            patch = extremum.extremum_patch(t, source)  # its maxima, exact through rounding
-            if patch is not None:
-                holder.patches = (*holder.patches, patch)
-                stored, settings = patch.nbytes, f"{settings}, its extrema kept"
+        exact_inputs = [entry.tensor() for entry in recent[len(recent) - plan[1] :]]
+        stored = _keep_extrema(t, sources, exact_inputs)  # exact maxima through rounding
+        if stored:
+            settings = f"{settings}, its extrema kept"
         return self._recomputed(site, t, key, ref, raw, sources, plan[0], settings, stored)[0]
 
     def _derived(self, site: SiteInfo, t: torch.Tensor, key: tuple, ref: Any, raw: int) -> Any:
@@ -157,3 +154,29 @@ def _at_hand(entry: Recent, source: Saved | torch.Tensor) -> torch.Tensor | None
     if isinstance(source, Saved):
         return source.raw
     return source
+
+
+def _keep_extrema(
+    result: torch.Tensor,
+    sources: list[Saved | torch.Tensor],
+    inputs: list[torch.Tensor | None],
+) -> int:
+    """Patch the holders of a max/min reduction's compared inputs so that their decoded
+    values keep the forward's extrema (:mod:`lightning_acgc.engine.extremum`); the bytes
+    the patches hold, their masks and the result once (0: none made). A holder that is
+    the tensor itself, or kept as it is, needs none."""
+    if any(t is None for t in inputs):
+        return 0
+    if len(sources) == 3:  # a scatter or index reduction: (index, self, src)
+        index, values, src = inputs
+        both = extremum.scatter_patches(result, (index, values, src), sources[0])  # type: ignore[arg-type]
+        targets = list(zip(sources[1:], both, strict=True)) if both else []
+    else:
+        patch = extremum.extremum_patch(result, inputs[-1])  # type: ignore[arg-type]
+        targets = [(sources[-1], patch)] if patch is not None else []
+    stored, top = 0, None
+    for holder, patch in targets:
+        if isinstance(holder, Saved) and holder.raw is None:
+            holder.patches = (*holder.patches, patch)
+            stored, top = stored + patch.bits.numel(), patch.extremum
+    return stored + top.numel() * top.element_size() if top is not None else 0
