@@ -9,7 +9,8 @@ query/key still measured 8-10x e).
 
 So the measurement acts directly. When a module m's measured error through δ is over
 its budget by r (:meth:`ModelCorrections._measure_layers`), the other-ops tensors saved
-inside m's parent scope (their module is the parent or below it) get floors: starting
+inside m's parent scope (their module is the parent or below it; where it holds none, the
+nearest scope around it that does) get floors: starting
 from their widths in force, the fewest added bits (greedy, best modelled error reduction
 per bit, :func:`~lightning_acgc.policies.bit_allocation.allocate_to_error`) that cut the
 scope's modelled other-ops error Σ o_t·v_t(b_t) by ``MARGIN``·r. Unbiased errors add in variance,
@@ -22,6 +23,9 @@ floor set for one block and held by the worst module of the whole model (every m
 sits near its own budget, by design) never loosened, and one early miss (step 2 of the
 quick ResNet at e = 0.5, a block at 4.9e) kept 47 tensors at 3-7 bits for good: 7.5x at a
 measured 0.16-0.27 against e = 0.5.
+
+A floor is not loosened back to a width at which its scope broke (``FLOOR_MEMORY``
+calibrations without a break there lift that).
 
 A softmax's saved output is the exception: where a module directly inside the module
 that saved it goes ``SOFTMAX_ALARM`` times over its budget through δ, the probabilities
@@ -69,6 +73,12 @@ MASK_FLOOR = 2  # quant keeps a ReLU output's mask (zeros, positives) at 2 bits 
 # alarm rang on 1 of its 5 fits (6.4x -> 4.4x), none of which broke the promise.
 SOFTMAX_FLOOR = HALF
 SOFTMAX_ALARM = 2.0
+# A floor is not lowered back to the width at which its scope broke for this many verified
+# calibrations without another break there. Loosened one step as soon as the modelled room
+# allowed, float16 -> 8 bits (2^16 times the variance) put a GroupNorm followed by an
+# InstanceNorm (its γ gradient nearly cancels) back at 1.5-3.5x its bound on every other
+# calibration: the model's factor for the PReLU input that carried it was far too low.
+FLOOR_MEMORY = 16
 
 
 def parent(module: str) -> str:
@@ -84,6 +94,25 @@ def within(module: str, scope: str) -> bool:
         (True, False, True)
     """
     return not scope or module == scope or module.startswith(scope + ".")
+
+
+def _widened(scope_over: dict[str, float], others: dict[str, float]) -> dict[str, float]:
+    """Each over-budget scope, or the nearest scope around it that holds other-ops
+    tensors: a block under ``torch.utils.checkpoint`` saves nothing inside it through the
+    hooks, only its input (at the model's root), which every layer of the block reads
+    when the block is recomputed; with nothing in their own scope to floor, its layers
+    ran over their budgets for the rest of the fit.
+
+    Example:
+        >>> _widened({"blocks.0": 2.0, "head": 3.0}, {"blocks.0.fc:0": 1.0, ":0": 1.0})
+        {'blocks.0': 2.0, '': 3.0}
+    """
+    out: dict[str, float] = {}
+    for scope, r in scope_over.items():
+        while scope and not any(within(k.rpartition(":")[0], scope) for k in others):
+            scope = parent(scope)
+        out[scope] = max(out.get(scope, 0.0), r)
+    return out
 
 
 def _variance(table: list[float], width: int) -> float:
@@ -140,6 +169,7 @@ class ScopeFloors:
             if key in self._variances
         }
         others = {k: o for k, o in others.items() if o > 0}
+        scope_over = _widened(scope_over, others)
         nonzero = self.nonzero_shares()  # type: ignore[attr-defined]
         # innermost scopes first: a tensor tightened for an inner scope counts as such
         for scope in sorted(scope_over, key=lambda s: -s.count(".") - bool(s)):
@@ -168,9 +198,25 @@ class ScopeFloors:
                     floors[key] = width
                     origins[key] = scope
         tightened = {k for s in scope_over for k in others if within(k.rpartition(":")[0], s)}
+        self._remember_breaks(tightened)
         self._loosen(floors, origins, others, needs, tightened)
         self._floors = floors
         self._floor_scopes = origins
+
+    def _remember_breaks(self, tightened: set[str]) -> None:
+        """Per tensor of a scope that broke its budget, the width it had then (the widest
+        such break), held for ``FLOOR_MEMORY`` calibrations; the others' memories fade."""
+        broke: dict[str, list[int]] = getattr(self, "_floor_broke", None) or {}
+        for key in tightened:
+            width = self.site_bits.get(key, self.initial_width)
+            known = broke.get(key, [LADDER[0], 0])[0]
+            broke[key] = [max(width, known, key=ORDER.index), FLOOR_MEMORY]
+        for key in list(broke):
+            if key not in tightened:
+                broke[key][1] -= 1
+                if broke[key][1] <= 0:
+                    del broke[key]
+        self._floor_broke = broke
 
     def _loosen(
         self,
@@ -192,6 +238,8 @@ class ScopeFloors:
         def in_force(key: str) -> int:
             return self.site_bits.get(key, self.initial_width)
 
+        broke = getattr(self, "_floor_broke", None) or {}
+
         def origin_of(key: str) -> str:  # the scope that set the floor (else its module's)
             return origins.get(key, parent(key.rpartition(":")[0]))
 
@@ -204,6 +252,8 @@ class ScopeFloors:
                 if key in tightened or key not in self._variances or origin_of(key) != origin:
                     continue
                 lower = ORDER[max(ORDER.index(floor) - 1, 0)]
+                if key in broke and ORDER.index(lower) <= ORDER.index(broke[key][0]):
+                    continue  # its scope broke at that width not long ago
                 width = max(in_force(key), floor, key=ORDER.index)
                 after = width if ORDER.index(width) > ORDER.index(floor) else lower
                 table, o = self._variances[key], others.get(key, 0.0)
