@@ -3,7 +3,10 @@ has a finite loss and finite gradients, compressed training has them too, and no
 raises. Each model stands for a pattern that once broke (a hand-written softmax's
 amax, a GNN's max aggregation, a positive denominator under the division codec with
 bf16 autocast) or that policies treat apart (RNN steps, complex FFT values, pooling
-indices, channels_last, a gradient penalty through a second backward)."""
+indices, channels_last, a gradient penalty through a second backward), or a layer type
+the recipes do not use (checkpointed blocks, fused attention, 1-d and 3-d convolutions,
+transposed convolutions, group and instance norms, pixel shuffles, LSTMs, tied
+embeddings)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lightning_acgc import ActivationCompressor, EngineSettings, build_policy, compressed_step
 
@@ -93,6 +97,119 @@ class Half(nn.Module):
         return self.b(F.gelu(self.a(x.half()))).float().mean(1)
 
 
+class Checkpointed(nn.Module):
+    """Pre-norm residual blocks under torch.utils.checkpoint: reentrant (its inputs saved
+    through the hooks) or not (its own saved-tensor hooks inside ours)."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.norms = nn.ModuleList([nn.LayerNorm(32) for _ in range(2)])
+        self.ups = nn.ModuleList([nn.Linear(32, 64) for _ in range(2)])
+        self.downs = nn.ModuleList([nn.Linear(64, 32) for _ in range(2)])
+        self.out, self.reentrant = nn.Linear(32, 5), reentrant
+
+    def _block(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        return x + self.downs[i](F.silu(self.ups[i](self.norms[i](x))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in range(2):
+            x = checkpoint(self._block, i, x, use_reentrant=self.reentrant)
+        return self.out(x.mean(1))
+
+
+class FusedAttention(nn.Module):
+    """F.scaled_dot_product_attention (causal, with dropout) and a PyTorch encoder layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(32, 96), nn.Linear(32, 32)
+        self.layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, norm_first=True)
+        self.out = nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(*x.shape[:2], 3, 4, 8).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.1)
+        return self.out(self.layer(self.proj(y.transpose(1, 2).reshape(x.shape))).mean(1))
+
+
+class Signal(nn.Module):
+    """Conv1d, GroupNorm, hardswish, InstanceNorm (affine, running stats), a transposed
+    convolution and PReLU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.group = nn.Conv1d(32, 8, 3, padding=1), nn.GroupNorm(2, 8)
+        self.instance = nn.InstanceNorm1d(8, affine=True, track_running_stats=True)
+        self.up, self.act, self.out = (
+            nn.ConvTranspose1d(8, 8, 4, stride=2),
+            nn.PReLU(),
+            nn.Linear(8, 5),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.instance(F.hardswish(self.group(self.conv(x.transpose(1, 2)))))
+        return self.out(self.act(self.up(y)).mean(-1))
+
+
+class Volume(nn.Module):
+    """Conv3d, BatchNorm3d, trilinear upsampling, Mish."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.norm = nn.Conv3d(2, 4, 3, padding=1), nn.BatchNorm3d(4)
+        self.up, self.out = nn.Upsample(scale_factor=2, mode="trilinear"), nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.mish(self.up(self.norm(self.conv(x)))).mean((2, 3, 4)))
+
+
+class Shuffle(nn.Module):
+    """PixelShuffle, Dropout2d, an eval-mode BatchNorm, ELU and a global max pooling by
+    amax; a frozen convolution in front."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Conv2d(3, 3, 1).requires_grad_(False)
+        self.conv, self.shuffle = nn.Conv2d(3, 16, 3, padding=1), nn.PixelShuffle(2)
+        self.drop, self.norm, self.out = (
+            nn.Dropout2d(0.2),
+            nn.BatchNorm2d(4).eval(),
+            nn.Linear(4, 5),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(self.drop(self.shuffle(self.conv(self.frozen(x)))))
+        return self.out(F.elu(y).amax((2, 3)))
+
+
+class Sequences(nn.Module):
+    """A bidirectional LSTM and a tanh RNN side by side."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(32, 16, batch_first=True, bidirectional=True)
+        self.rnn, self.out = nn.RNN(32, 8, batch_first=True), nn.Linear(40, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.cat([self.lstm(x)[0][:, -1], self.rnn(x)[0][:, -1]], -1))
+
+
+class TiedEmbedding(nn.Module):
+    """An embedding read back as the output layer, an EmbeddingBag, a LayerNorm without
+    affine parameters, log_softmax, softplus and cumsum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.bag = nn.Embedding(50, 32), nn.EmbeddingBag(50, 32, mode="mean")
+        self.norm = nn.LayerNorm(32, elementwise_affine=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = (x.abs() * 10).long().clamp(max=49)[..., 0]
+        h = self.norm(self.embed(ids) + self.bag(ids).unsqueeze(1))
+        h = torch.log_softmax(F.softplus(h), -1).cumsum(1)
+        return (h @ self.embed.weight.t()).mean(1)[:, :5]
+
+
 def _penalty(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The loss plus the squared gradient of the loss by the input (create_graph)."""
     x = x.clone().requires_grad_(True)
@@ -111,6 +228,14 @@ ZOO: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], bool]] = {
     "images": (Images, (8, 3, 16, 16), False),
     "float16": (Half, SEQUENCE, False),
     "gradient_penalty": (Recurrent, SEQUENCE, True),
+    "checkpoint_reentrant": (lambda: Checkpointed(reentrant=True), SEQUENCE, False),
+    "checkpoint": (lambda: Checkpointed(reentrant=False), SEQUENCE, False),
+    "fused_attention": (FusedAttention, SEQUENCE, False),
+    "signal": (Signal, SEQUENCE, False),
+    "volume": (Volume, (4, 2, 6, 6, 6), False),
+    "shuffle": (Shuffle, (4, 3, 8, 8), False),
+    "sequences": (Sequences, SEQUENCE, False),
+    "tied_embedding": (TiedEmbedding, SEQUENCE, False),
 }
 POLICIES = {
     "acgc": {},
