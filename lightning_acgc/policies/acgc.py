@@ -205,7 +205,6 @@ class ACGCPolicy(
         self.site_bits: dict[str, int] = {}
         self.site_split: dict[str, float] = {}  # share of the values at one bit less
         self._floors: dict[str, int] = {}  # quant: smallest width per tensor (acgc_floors)
-        self._floor_broke: dict[str, list[int]] = {}  # quant: width at a break, memory left
         self.kappa = 0.5 if codec == "quant" else 4.0
         self._readings: deque[float] = deque(maxlen=history)
         self._scope_readings: dict[str, deque[float]] = {}  # λ's, by module scope

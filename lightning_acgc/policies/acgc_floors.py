@@ -24,9 +24,6 @@ sits near its own budget, by design) never loosened, and one early miss (step 2 
 quick ResNet at e = 0.5, a block at 4.9e) kept 47 tensors at 3-7 bits for good: 7.5x at a
 measured 0.16-0.27 against e = 0.5.
 
-A floor is not loosened back to a width at which its scope broke (``FLOOR_MEMORY``
-calibrations without a break there lift that).
-
 A softmax's saved output is the exception: where a module directly inside the module
 that saved it goes ``SOFTMAX_ALARM`` times over its budget through δ, the probabilities
 of that softmax in every block are stored as float16 at least for the rest of the fit
@@ -73,12 +70,6 @@ MASK_FLOOR = 2  # quant keeps a ReLU output's mask (zeros, positives) at 2 bits 
 # alarm rang on 1 of its 5 fits (6.4x -> 4.4x), none of which broke the promise.
 SOFTMAX_FLOOR = HALF
 SOFTMAX_ALARM = 2.0
-# A floor is not lowered back to the width at which its scope broke for this many verified
-# calibrations without another break there. Loosened one step as soon as the modelled room
-# allowed, float16 -> 8 bits (2^16 times the variance) put a GroupNorm followed by an
-# InstanceNorm (its γ gradient nearly cancels) back at 1.5-3.5x its bound on every other
-# calibration: the model's factor for the PReLU input that carried it was far too low.
-FLOOR_MEMORY = 16
 
 
 def parent(module: str) -> str:
@@ -198,25 +189,9 @@ class ScopeFloors:
                     floors[key] = width
                     origins[key] = scope
         tightened = {k for s in scope_over for k in others if within(k.rpartition(":")[0], s)}
-        self._remember_breaks(tightened)
         self._loosen(floors, origins, others, needs, tightened)
         self._floors = floors
         self._floor_scopes = origins
-
-    def _remember_breaks(self, tightened: set[str]) -> None:
-        """Per tensor of a scope that broke its budget, the width it had then (the widest
-        such break), held for ``FLOOR_MEMORY`` calibrations; the others' memories fade."""
-        broke: dict[str, list[int]] = getattr(self, "_floor_broke", None) or {}
-        for key in tightened:
-            width = self.site_bits.get(key, self.initial_width)
-            known = broke.get(key, [LADDER[0], 0])[0]
-            broke[key] = [max(width, known, key=ORDER.index), FLOOR_MEMORY]
-        for key in list(broke):
-            if key not in tightened:
-                broke[key][1] -= 1
-                if broke[key][1] <= 0:
-                    del broke[key]
-        self._floor_broke = broke
 
     def _loosen(
         self,
@@ -238,8 +213,6 @@ class ScopeFloors:
         def in_force(key: str) -> int:
             return self.site_bits.get(key, self.initial_width)
 
-        broke = getattr(self, "_floor_broke", None) or {}
-
         def origin_of(key: str) -> str:  # the scope that set the floor (else its module's)
             return origins.get(key, parent(key.rpartition(":")[0]))
 
@@ -252,8 +225,6 @@ class ScopeFloors:
                 if key in tightened or key not in self._variances or origin_of(key) != origin:
                     continue
                 lower = ORDER[max(ORDER.index(floor) - 1, 0)]
-                if key in broke and ORDER.index(lower) <= ORDER.index(broke[key][0]):
-                    continue  # its scope broke at that width not long ago
                 width = max(in_force(key), floor, key=ORDER.index)
                 after = width if ORDER.index(width) > ORDER.index(floor) else lower
                 table, o = self._variances[key], others.get(key, 0.0)

@@ -74,9 +74,6 @@ class ACGCState:
         self.site_bits = {k: int(v) for k, v in state.get("site_bits", {}).items()}
         self.site_split = {k: float(v) for k, v in state.get("site_split", {}).items()}
         self._floors = {k: int(v) for k, v in state.get("floors", {}).items()}
-        self._floor_broke = {
-            k: [int(w), int(n)] for k, (w, n) in state.get("floor_broke", {}).items()
-        }
         # (tables of another width ladder, e.g. 1/2/4/8 only, are measured anew)
         self._variances = {
             k: list(v) for k, v in state.get("variances", {}).items() if len(v) == len(LADDER)
