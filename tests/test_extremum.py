@@ -20,12 +20,7 @@ from lightning_acgc import (
     compressed_step,
 )
 from lightning_acgc.engine.extremum import extremum_patch
-
-
-def _nodes(t: torch.Tensor) -> torch.Tensor:
-    """Which of 4 nodes each of 12 messages goes to."""
-    return torch.arange(12, device=t.device) % 4
-
+from tests._reductions import SCATTER_REDUCTIONS
 
 REDUCTIONS = {
     "amax_dim": lambda t: t.amax(-1),
@@ -35,16 +30,7 @@ REDUCTIONS = {
     "amin_dim": lambda t: t.amin(1),
     "max": lambda t: t.max(),
     "min": lambda t: t.min(),
-    # a GNN's max aggregation: messages (rows of the middle dimension) into 4 nodes
-    "scatter_amax": lambda t: t.new_zeros(8, 4, 16).scatter_reduce_(
-        1, _nodes(t).view(1, 12, 1).expand(8, 12, 16), t, "amax", include_self=False
-    ),
-    "scatter_amin_self": lambda t: t[:, :4].scatter_reduce(
-        1, _nodes(t).view(1, 12, 1).expand(8, 12, 16), t, "amin"
-    ),
-    "index_amax": lambda t: t.new_zeros(8, 4, 16).index_reduce_(
-        1, _nodes(t), t, "amax", include_self=False
-    ),
+    **SCATTER_REDUCTIONS,  # a GNN's max aggregation
 }
 
 
