@@ -98,8 +98,9 @@ class Half(nn.Module):
 
 
 class Checkpointed(nn.Module):
-    """Pre-norm residual blocks under torch.utils.checkpoint: reentrant (its inputs saved
-    through the hooks) or not (its own saved-tensor hooks inside ours)."""
+    """Pre-norm residual blocks under torch.utils.checkpoint: reentrant (the checkpoint
+    keeps its inputs itself) or not (the inputs saved through the hooks, every op inside
+    through the checkpoint's own hooks)."""
 
     def __init__(self, reentrant: bool) -> None:
         super().__init__()

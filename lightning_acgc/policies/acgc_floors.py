@@ -89,10 +89,10 @@ def within(module: str, scope: str) -> bool:
 
 def _widened(scope_over: dict[str, float], others: dict[str, float]) -> dict[str, float]:
     """Each over-budget scope, or the nearest scope around it that holds other-ops
-    tensors: a block under ``torch.utils.checkpoint`` saves nothing inside it through the
-    hooks, only its input (at the model's root), which every layer of the block reads
-    when the block is recomputed; with nothing in their own scope to floor, its layers
-    ran over their budgets for the rest of the fit.
+    tensors: a block under ``torch.utils.checkpoint`` (``use_reentrant=False``) saves
+    nothing inside it through the hooks, only its input (at the model's root), which
+    every layer of the block reads when the block is recomputed; with nothing in their
+    own scope to floor, its layers ran over their budgets for the rest of the fit.
 
     Example:
         >>> _widened({"blocks.0": 2.0, "head": 3.0}, {"blocks.0.fc:0": 1.0, ":0": 1.0})
