@@ -41,9 +41,6 @@ class ACGCState:
             "site_bits": dict(self.site_bits),
             "site_split": dict(self.site_split),
             "floors": dict(self._floors),
-            "floor_broke": {
-                k: list(v) for k, v in (getattr(self, "_floor_broke", None) or {}).items()
-            },
             "variances": {k: list(v) for k, v in self._variances.items()},
             "raw_bits": dict(self._raw_bits),
             "nonzero": dict(self._nonzero),
