@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["COMPARING_NODES", "recompute_fn", "recompute_plan"]
+__all__ = ["COMPARING_NODES", "recompute_fn", "recompute_plan", "saved_dims"]
 
 # autograd nodes of the reductions above (MaxBackward0/MinBackward0, with ``dim``, save
 # indices instead and need nothing)
@@ -43,7 +43,7 @@ COMPARING_NODES = frozenset(
 _SCATTERS = {"ScatterReduceBackward0": "scatter_reduce", "IndexReduceBackward0": "index_reduce"}
 
 
-def _dims(saved: object) -> tuple[int, ...] | None:
+def saved_dims(saved: object) -> tuple[int, ...] | None:
     """A node's saved dims as ints (autograd returns negative ones as unsigned 64-bit)."""
     if saved is None:
         return None
@@ -55,7 +55,7 @@ def _reduction(node: object) -> Callable[[torch.Tensor], torch.Tensor] | None:
     name = type(node).__name__
     if name in ("AmaxBackward0", "AminBackward0"):
         op = torch.amax if name == "AmaxBackward0" else torch.amin
-        dim, keepdim = _dims(node._saved_dim), bool(node._saved_keepdim)
+        dim, keepdim = saved_dims(node._saved_dim), bool(node._saved_keepdim)
         return lambda x: op(x, dim=dim, keepdim=keepdim)
     if name in ("MaxBackward1", "MinBackward1", "MedianBackward0", "NanmedianBackward0"):
         method = {"MaxBackward1": "max", "MinBackward1": "min", "MedianBackward0": "median"}
@@ -65,7 +65,7 @@ def _reduction(node: object) -> Callable[[torch.Tensor], torch.Tensor] | None:
         order = float(node._saved_ord)
         if abs(order) != float("inf"):
             return None
-        dim = _dims(node._saved_dim)
+        dim = saved_dims(node._saved_dim)
         keepdim = bool(node._saved_keepdim)
         return lambda x: torch.linalg.vector_norm(x, order, dim=dim, keepdim=keepdim)
     return None

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from lightning_acgc.engine.exact import saved_dims
 from lightning_acgc.kernels.mask import mask_pack, mask_unpack
 
 __all__ = ["ExtremumPatch", "extremum_patch", "scatter_patches"]
@@ -86,9 +87,9 @@ def _keepdim_shape(node: object, source: torch.Tensor) -> list[int] | None:
     reduction (a 0-d result broadcasts as it is)."""
     if type(node).__name__ in ("MaxBackward1", "MinBackward1"):
         return None
-    dims = node._saved_dim  # type: ignore[attr-defined]
     ndim = source.dim()
-    reduced = {(d - 2**64 if d >= 2**63 else d) % max(ndim, 1) for d in dims} or set(range(ndim))
+    dims = saved_dims(node._saved_dim) or ()  # type: ignore[attr-defined]
+    reduced = {d % max(ndim, 1) for d in dims} or set(range(ndim))
     return [1 if i in reduced else n for i, n in enumerate(source.shape)]
 
 
@@ -117,20 +118,15 @@ def extremum_patch(result: torch.Tensor, source: torch.Tensor) -> ExtremumPatch 
         return ExtremumPatch(mask_pack(at.reshape(-1)), top.clone(), largest)
 
 
-def _peek(source: object) -> torch.Tensor:
-    """What a holder unpacks (without using up an unpack), or the tensor itself."""
-    return source.peek() if hasattr(source, "peek") else source  # type: ignore[union-attr]
-
-
 def scatter_patches(
     result: torch.Tensor,
     inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    index_holder: object,
+    index_at_unpack: Callable[[], torch.Tensor],
 ) -> tuple[ExtremumPatch, ExtremumPatch] | None:
     """For the saved ``result`` of ``scatter_reduce``/``index_reduce`` by ``amax`` or
     ``amin`` of ``inputs`` = (index, self, src) (the caller has checked it is that
     reduction of them): the patches of ``self`` and of ``src``; ``src``'s reads the index
-    at unpack from ``index_holder`` (its holder, or the index itself). None for other
+    at unpack from ``index_at_unpack`` (what the index's holder unpacks). None for other
     reductions and empty or integer values. The result is held once (by ``self``'s patch:
     the caller charges both patches' masks and it).
 
@@ -138,7 +134,7 @@ def scatter_patches(
         >>> src = torch.tensor([[1.0], [3.0], [2.0], [2.0]], requires_grad=True) * 1
         >>> index = torch.tensor([[0], [0], [1], [1]])
         >>> out = torch.zeros(2, 1).scatter_reduce(0, index, src, "amax", include_self=False)
-        >>> _, on_src = scatter_patches(out, (index, torch.zeros(2, 1), src), index)
+        >>> _, on_src = scatter_patches(out, (index, torch.zeros(2, 1), src), lambda: index)
         >>> fixed = on_src(torch.full((4, 1), 3.0)).flatten()  # a tie, decoded
         >>> bool(fixed[0] < 3.0), fixed[1].item(), bool((fixed[2:] == 2.0).all())
         (True, 3.0, True)
@@ -167,6 +163,6 @@ def scatter_patches(
                 mask_pack(at_src.reshape(-1)),
                 top,
                 largest,
-                lambda t: gathered(t, _peek(index_holder)),  # at unpack, from its holder
+                lambda t: gathered(t, index_at_unpack()),
             ),
         )

@@ -168,8 +168,9 @@ def _keep_extrema(
     if any(t is None for t in inputs):
         return 0
     if len(sources) == 3:  # a scatter or index reduction: (index, self, src)
-        index, values, src = inputs
-        both = extremum.scatter_patches(result, (index, values, src), sources[0])  # type: ignore[arg-type]
+        index = sources[0]
+        at_unpack = index.peek if isinstance(index, Saved) else lambda: index
+        both = extremum.scatter_patches(result, tuple(inputs), at_unpack)  # type: ignore[arg-type]
         targets = list(zip(sources[1:], both, strict=True)) if both else []
     else:
         patch = extremum.extremum_patch(result, inputs[-1])  # type: ignore[arg-type]
