@@ -118,6 +118,30 @@ def measure(
         runner.close()
 
 
+def measure_setting(recipe: Any, config: str, plain: int) -> dict[str, Any]:
+    """Fixed setting ``config`` (of :data:`BASELINES`) measured on ``recipe``."""
+    POLICIES[config] = BASELINES[config]
+    return measure(recipe, config, plain)
+
+
+def acgc_at_error(recipe: Any, plain: int, base: dict, options: dict) -> dict[str, Any]:
+    """acgc with ``gradient_error`` at the setting ``base``'s measured error (at most
+    0.99): whether it measured within it, and its share of the setting's ratio."""
+    e = min(base["grad_error"], 0.99)
+    row = measure(recipe, "acgc", plain, {"gradient_error": e, **options}, e)
+    row["within"] = row["grad_error"] <= e
+    row["ratio_share"] = round(row["ratio"] / base["ratio"], 3)
+    return row
+
+
+def acgc_default(recipe: Any, plain: int, options: dict) -> dict[str, Any]:
+    """acgc at its default e, within the error target of its last calibration (a
+    noise-relative budget sets one per layer too: layer_budget_use <= 1)."""
+    row = measure(recipe, "acgc", plain, options)
+    row["within"] = row["grad_error"] <= row.get("error_target", 0.05)
+    return row
+
+
 def compare_model(name: str, args: argparse.Namespace, case: bool = False) -> dict[str, Any]:
     """The settings and acgc on recipe ``name`` (or size-preset case ``name``)."""
     device = resolve_device(args.device)
@@ -125,30 +149,22 @@ def compare_model(name: str, args: argparse.Namespace, case: bool = False) -> di
     recipe = build(name, args.quick, device)
     plain = count_saved(recipe, recipe.module)
     rows: dict[str, Any] = {}
-    for config, spec in BASELINES.items():
-        POLICIES[config] = spec
-        base = measure(recipe, config, plain)
-        e = min(base["grad_error"], 0.99)
-        acgc = measure(recipe, "acgc", plain, {"gradient_error": e, **args.acgc_options}, e)
-        acgc["within"] = acgc["grad_error"] <= e
-        acgc["ratio_share"] = round(acgc["ratio"] / base["ratio"], 3)
-        # held to the setting's own promise, the global error alone (no module is held
-        # to e per layer): what the per-layer promise costs
-        options = {"gradient_error": e, **args.acgc_options, "layer_floor": GLOBAL_ONLY}
-        glob = measure(recipe, "acgc", plain, options, e)
-        glob["within"] = glob["grad_error"] <= e
-        glob["ratio_share"] = round(glob["ratio"] / base["ratio"], 3)
-        rows[config] = {"baseline": base, "acgc_at_its_error": acgc, "acgc_global_only": glob}
-    # acgc at its default, and with its probes off (quant only): each within its own
-    # promise, the error target of its last calibration (a noise-relative budget sets
-    # one per layer too: layer_budget_use <= 1)
+    for config in BASELINES:  # each setting, then acgc at its error (in this order)
+        base = measure_setting(recipe, config, plain)
+        # also held to the setting's own promise, the global error alone (no module is
+        # held to e per layer): what the per-layer promise costs
+        glob = {**args.acgc_options, "layer_floor": GLOBAL_ONLY}
+        rows[config] = {
+            "baseline": base,
+            "acgc_at_its_error": acgc_at_error(recipe, plain, base, args.acgc_options),
+            "acgc_global_only": acgc_at_error(recipe, plain, base, glob),
+        }
+    # acgc at its default, and with its probes off (quant only)
     defaults = {"acgc_default": {}}
     if args.acgc_options.get("codec", "quant") == "quant":
         defaults["acgc_default_no_probes"] = {"probes": NO_PROBES}
     for key, extra in defaults.items():
-        row = measure(recipe, "acgc", plain, {**args.acgc_options, **extra})
-        row["within"] = row["grad_error"] <= row.get("error_target", 0.05)
-        rows[key] = row
+        rows[key] = acgc_default(recipe, plain, {**args.acgc_options, **extra})
     return {"description": recipe.description, "plain_bytes": plain, "results": rows}
 
 

@@ -30,7 +30,6 @@ import torch
 
 from benchmarks._harness import (
     MODELS,
-    POLICIES,
     add_common_arguments,
     build_recipe,
     count_saved,
@@ -39,7 +38,7 @@ from benchmarks._harness import (
     resolve_device,
     setup_threads,
 )
-from benchmarks.acgc_vs_fixed import BASELINES, measure
+from benchmarks.acgc_vs_fixed import BASELINES, acgc_at_error, acgc_default, measure_setting
 from benchmarks.promise import FULL_RECIPES, QUICK_RECIPES, fit_with_acgc
 from lightning_acgc.policies.acgc import ACGCPolicy
 
@@ -56,22 +55,12 @@ def model_rows(
     error and at its default) on recipe ``name``'s quick model."""
     recipe = build_recipe(name, True, device)
     plain = count_saved(recipe, recipe.module)
-    settings: dict[str, Any] = {}
-    for config, spec in BASELINES.items():
-        POLICIES[config] = spec
-        settings[config] = measure(recipe, config, plain)
+    settings = {config: measure_setting(recipe, config, plain) for config in BASELINES}
     per_target: dict[str, dict[str, Any]] = {}
     for target in targets:
-        rows: dict[str, Any] = {}
-        for config, base in settings.items():
-            e = min(base["grad_error"], 0.99)
-            row = measure(recipe, "acgc", plain, {"gradient_error": e, "target": target}, e)
-            row["within"] = row["grad_error"] <= e
-            row["ratio_share"] = round(row["ratio"] / base["ratio"], 3)
-            rows[config] = row
-        default = measure(recipe, "acgc", plain, {"target": target})
-        default["within"] = default["grad_error"] <= default.get("error_target", 0.05)
-        rows["acgc_default"] = default
+        options = {"target": target}
+        rows = {c: acgc_at_error(recipe, plain, base, options) for c, base in settings.items()}
+        rows["acgc_default"] = acgc_default(recipe, plain, options)
         per_target[str(target)] = rows
     return recipe.description, settings, per_target
 
