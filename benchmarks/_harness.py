@@ -40,6 +40,7 @@ __all__ = [
     "MODELS",
     "POLICIES",
     "SIZES",
+    "WITH_CHECKPOINTING",
     "Recipe",
     "Runner",
     "add_common_arguments",
@@ -78,7 +79,10 @@ POLICIES: dict[str, tuple[str, dict[str, Any]]] = {
     "quant2": ("fixed", {"codec": "quant", "bits": 2}),
     "quant4": ("fixed", {"codec": "quant", "bits": 4}),
 }
-CONFIGS = ("plain", "checkpoint", *POLICIES)
+# A policy used together with checkpointing (its blocks as ``checkpoint``'s): what the
+# policy compresses is then what autograd still saves, each block's input among it.
+WITH_CHECKPOINTING: dict[str, str] = {"acgc_checkpoint": "acgc"}
+CONFIGS = ("plain", "checkpoint", *POLICIES, *WITH_CHECKPOINTING)
 
 # The calibrating policies calibrate on the first steps of fit (acgc and comet: 3, gact:
 # 1) and then every 100 steps: steps 0-2 calibrate, step 3 is an ordinary step.
@@ -358,10 +362,11 @@ def make_runner(config: str, recipe: Recipe, policy_options: dict | None = None)
     if config == "checkpoint":
         blocks = checkpoint_blocks(recipe.name, recipe.module)
         return Runner(config, recipe, with_checkpointing(recipe.module, blocks), blocks=blocks)
-    module = copy.deepcopy(recipe.module)
-    name, options = POLICIES[config]
+    blocks = checkpoint_blocks(recipe.name, recipe.module) if config in WITH_CHECKPOINTING else []
+    module = with_checkpointing(recipe.module, blocks)
+    name, options = POLICIES[WITH_CHECKPOINTING.get(config, config)]
     policy = build_policy(name, **{**options, **(policy_options or {})})
     engine = ActivationCompressor(policy, model=module)
     engine.install()
     policy.setup(module)
-    return Runner(config, recipe, module, engine)
+    return Runner(config, recipe, module, engine, blocks=blocks)

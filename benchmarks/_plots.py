@@ -38,6 +38,7 @@ LABELS = {
     "comet": "comet (rel 0.01)",
     "quant2": "fixed quant 2-bit",
     "quant4": "fixed quant 4-bit",
+    "acgc_checkpoint": "acgc + checkpoint",
 }
 MARKERS = dict(zip(LABELS, "o^sDvP*Xh", strict=False))
 COLORS = dict(zip(LABELS, plt.get_cmap("tab10").colors, strict=False))

@@ -30,6 +30,8 @@ PEAK_GAP = 0.15  # measured step peak within 15% of what the activation ratio pr
 MODEL_NAMES = {"resnet": "ResNet", "bert": "BERT", "gnn": "GNN"}
 PROMISE_BAR = 0.99  # share of a fit's verified calibrations that keep acgc's promise (issue 13)
 BEST_ERROR = 0.05  # the best policy: the highest ratio at a measured error up to this
+COMBINED = "acgc_checkpoint"  # acgc used together with checkpointing (benchmarks/_harness.py)
+CHECKPOINTING = ("checkpoint", COMBINED)  # configurations that checkpoint blocks
 
 
 def _name(model: str) -> str:
@@ -158,7 +160,7 @@ def tradeoff_table(tradeoff: dict[str, Any] | None) -> list[str]:
 def best_policy(configs: dict[str, dict[str, Any]]) -> str | None:
     """The policy with the highest ratio among those whose measured gradient error is at
     most ``BEST_ERROR`` (all policies if none is)."""
-    policies = {c: r for c, r in configs.items() if c not in ("plain", "checkpoint")}
+    policies = {c: r for c, r in configs.items() if c not in ("plain", *CHECKPOINTING)}
     within = {c: r for c, r in policies.items() if r.get("grad_error", 1.0) <= BEST_ERROR}
     pool = within or policies
     return max(pool, key=lambda c: pool[c]["ratio"]) if pool else None
@@ -289,6 +291,10 @@ def bars(results: dict[str, dict[str, Any]]) -> tuple[list[str], list[str]]:
                     f"{t:.2f}x vs {ck_time:.2f}x step time, {own:.2f} vs {ck_mem:.2f} MB kept "
                     f"(bar: faster at equal or less memory)",
                 )
+            if "checkpoint" in c and COMBINED in c and memory and model in memory["models"]:
+                both = memory["models"][model]["configs"].get(COMBINED)
+                if both is not None:
+                    verdict(*_combined_line(model, both, c[COMBINED]["vs_plain"], mem, ck_time))
     if tradeoff:
         broken = [r for r in tradeoff["tradeoff"] if r["grad_error_max"] > r["gradient_error"]]
         verdict(
@@ -304,6 +310,20 @@ def bars(results: dict[str, dict[str, Any]]) -> tuple[list[str], list[str]]:
     if promise:
         verdict(*promise_bar(promise))
     return met, short
+
+
+def _combined_line(
+    model: str, both: dict[str, Any], t: float, mem: dict[str, Any], ck_time: float
+) -> tuple[bool, str]:
+    """acgc used together with checkpointing against checkpointing alone: less memory
+    within acgc's promise (its measured error ≤ 0.05 = e), and the time it costs."""
+    ck_mem, own, err = mem["checkpoint"]["kept_mb"], both["kept_mb"], both.get("grad_error")
+    met = own < ck_mem and err is not None and err <= BEST_ERROR
+    return met, (
+        f"{_name(model)}, {BAR_POLICY} with checkpointing vs checkpointing alone: "
+        f"{own:.2f} vs {ck_mem:.2f} MB kept at gradient error {_fmt(err, '.3f')}, "
+        f"{t:.2f}x vs {ck_time:.2f}x step time (bar: less memory than checkpointing, within e)"
+    )
 
 
 def promise_bar(promise: dict[str, Any]) -> tuple[bool, str]:

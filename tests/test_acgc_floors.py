@@ -276,8 +276,10 @@ class _Checkpointed(nn.Module):
 
 def test_layers_with_nothing_saved_in_their_scope_get_floors_further_out() -> None:
     """A checkpointed block's layers read only the block's input, saved at the root:
-    their floors go there. Before, nothing in their scope took a floor and the blocks'
-    first layers ran to 1.6x their bound over 12 calibrations of SGD."""
+    their floors go there (``_widened``; its doctest). Before, nothing in their scope took
+    a floor and the blocks' first layers ran to 1.6x their bound over 12 calibrations of
+    SGD. The inputs are now stored as float16 from the start (CHECKPOINT_FLOOR,
+    tests/test_checkpoint_inputs.py); the per-layer promise holds on every step."""
     from lightning_acgc import ActivationCompressor, EngineSettings, compressed_step
 
     torch.manual_seed(1)
@@ -301,5 +303,7 @@ def test_layers_with_nothing_saved_in_their_scope_get_floors_further_out() -> No
     finally:
         engine.remove()
         policy.teardown()
-    assert any(k.startswith(":") for k in policy._floors)  # the blocks' inputs
+    inputs = {k for k in policy.floors() if k.startswith(":")}  # the blocks' inputs
+    assert inputs and inputs <= policy._checkpoint_inputs
+    assert all(policy.floors()[k] in (HALF, KEEP) for k in inputs)
     assert max(uses) <= 1.0, uses

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
+import sys
 import warnings
 import weakref
 import zlib
@@ -293,18 +294,18 @@ class ActivationCompressor(Recomputing):
         return saved
 
     def _pack(self, t: torch.Tensor) -> Any:
-        held = self._pack_one(t)
+        held = self._pack_one(t, sites.saved_by_checkpoint(sys._getframe(1)))
         self._remember(t, held)  # weakly: a graph freed early releases its holders at once
         return held
 
-    def _pack_one(self, t: torch.Tensor) -> Any:
+    def _pack_one(self, t: torch.Tensor, checkpoint_input: bool = False) -> Any:
         if self._paused or t.layout != torch.strided or t.device.type == "meta":
             return t
         if t.requires_grad and is_leaf_parameter(t):
             return t
         if self._resident and t.untyped_storage().data_ptr() in self._resident:
             return t
-        site = self.tracker.next_site()
+        site = self.tracker.next_site(checkpoint_input)
         # The storage's identity (kept from reuse by the weak reference in ``_dedup``)
         # and the view: a Linear on a 3-D input saves a fresh 2-D view each call, so the
         # q, k and v projections of one hidden state share one holder.
@@ -314,7 +315,8 @@ class ActivationCompressor(Recomputing):
         # A tensor already taken this step is shared, whatever this site would choose.
         refs = self._dedup.get(key)
         saved = refs[1]() if refs is not None else None
-        if saved is not None:
+        # (a checkpointed region's input is not left to a lossy holder: sites.SiteInfo)
+        if saved is not None and not (checkpoint_input and saved.raw is None):
             rec = self._record(site, t, saved.name, f"shared with {saved.site}", 0, 0)
             rec.shared_with = saved.site
             saved.pending += 1
@@ -325,7 +327,8 @@ class ActivationCompressor(Recomputing):
             return self._keep(site, t, key, ref, raw, "control")  # identity: nothing compressed
         if t.grad_fn is not None and type(t.grad_fn).__name__ in exact.COMPARING_NODES:
             return self._comparing(site, t, key, ref, raw)
-        if getattr(self.policy, "derives_elementwise", False) and t.is_floating_point():
+        derives = getattr(self.policy, "derives_elementwise", False) and not checkpoint_input
+        if derives and t.is_floating_point():
             derived = self._derived(site, t, key, ref, raw)
             if derived is not None:
                 return derived

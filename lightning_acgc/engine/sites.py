@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
+from types import FrameType
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["NORM_TYPES", "ModuleTracker", "SiteInfo", "is_norm_statistic"]
+__all__ = ["NORM_TYPES", "ModuleTracker", "SiteInfo", "is_norm_statistic", "saved_by_checkpoint"]
 
 NORM_TYPES = frozenset(
     {
@@ -30,11 +32,18 @@ NORM_TYPES = frozenset(
 @dataclass(frozen=True)
 class SiteInfo:
     """Where a saved tensor comes from: the innermost running module and the ordinal
-    of this tensor among those that module saved in the current step."""
+    of this tensor among those that module saved in the current step.
+
+    ``checkpoint_input``: saved by ``torch.utils.checkpoint`` as the input of a
+    checkpointed region (:func:`saved_by_checkpoint`). Backward runs the region's
+    forward again from its decoded value, so its error reaches every layer of the region,
+    through ReLU masks and normalization statistics remade from it, not only one op's
+    gradient."""
 
     module: str
     module_type: str
     ordinal: int
+    checkpoint_input: bool = False
 
     @property
     def key(self) -> str:
@@ -124,11 +133,11 @@ class ModuleTracker:
         self._ordinals.clear()
         self._stack.clear()
 
-    def next_site(self) -> SiteInfo:
+    def next_site(self, checkpoint_input: bool = False) -> SiteInfo:
         module, module_type = self._stack[-1] if self._stack else ("", "")
         ordinal = self._ordinals.get(module, 0)
         self._ordinals[module] = ordinal + 1
-        return SiteInfo(module, module_type, ordinal)
+        return SiteInfo(module, module_type, ordinal, checkpoint_input)
 
     def resident_storages(self) -> set[int]:
         """Storage pointers of the model's parameters and buffers (kept anyway)."""
@@ -136,6 +145,42 @@ class ModuleTracker:
             return set()
         tensors = [*self._model.parameters(), *self._model.buffers()]
         return {t.untyped_storage().data_ptr() for t in tensors if t.device.type != "meta"}
+
+
+CHECKPOINT_SOURCE = os.path.join("torch", "utils", "checkpoint.py")
+
+
+def saved_by_checkpoint(frame: FrameType | None) -> bool:
+    """Whether the Python frame that made autograd save a tensor (``sys._getframe(1)`` in
+    a pack hook) is ``torch.utils.checkpoint`` keeping a checkpointed region's input.
+
+    Checkpointing saves the region's inputs through the saved-tensor hooks in force:
+    non-reentrant from ``_CheckpointFrame.save_inputs`` (through ``Function.apply`` of its
+    ``_NoopSaveInputs`` in older torch), reentrant from its Function's
+    ``save_for_backward``. What the region saves inside goes to the checkpoint's own
+    hooks (non-reentrant) or nowhere (reentrant runs it without grad): nothing else
+    reaches a pack hook from that file.
+
+    Example:
+        >>> import sys
+        >>> from torch.utils.checkpoint import checkpoint
+        >>> seen = []
+        >>> def pack(t):
+        ...     seen.append(saved_by_checkpoint(sys._getframe(1)))
+        ...     return t
+        >>> x = torch.ones(3, requires_grad=True)
+        >>> with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ...     y = checkpoint(torch.sin, x * 2, use_reentrant=False).exp()
+        >>> seen
+        [True, False]
+    """
+    for _ in range(2):  # the saving frame, or Function.apply's caller
+        if frame is None:
+            return False
+        if frame.f_code.co_filename.endswith(CHECKPOINT_SOURCE):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def is_leaf_parameter(t: torch.Tensor) -> bool:

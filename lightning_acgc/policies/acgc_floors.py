@@ -70,6 +70,17 @@ MASK_FLOOR = 2  # quant keeps a ReLU output's mask (zeros, positives) at 2 bits 
 # alarm rang on 1 of its 5 fits (6.4x -> 4.4x), none of which broke the promise.
 SOFTMAX_FLOOR = HALF
 SOFTMAX_ALARM = 2.0
+# A checkpointed region's input (torch.utils.checkpoint, either kind) is stored as
+# float16 at least: backward runs the region again from it, and a ReLU mask remade from a
+# rounded input flips wherever the pre-activation is within the rounding, each flip
+# sending a whole δ element the wrong way. The error then grows like the square root of
+# the rounding, not with its variance as the error model has it: on the quick ResNet
+# with each residual block checkpointed, rounding the block inputs alone put the
+# gradient 0.11-0.19 off at 8 bits and 0.027 as float16 (0.0006 as float16 unchecked).
+# Measured floors may raise it to kept. Starting there as a measured floor instead, one
+# that loosens where its scope has room, went to 8 bits on that ResNet (the error model
+# blames the other tensors in the scope) and measured 0.07-0.13.
+CHECKPOINT_FLOOR = HALF
 
 
 def parent(module: str) -> str:
@@ -116,13 +127,14 @@ class ScopeFloors:
     per-layer readings, and each tensor's modelled variance under the settings in force.
     Uses ``site_bits``, ``site_split``, ``bounds``, ``codec``, ``_variances``, ``_sens``,
     ``_raw_bits``, ``_inv_var``, ``_saturating``, ``_step_sens``, ``initial_width``,
-    ``_softmax`` and ``_softmax_held`` (its own),
+    ``_softmax``, ``_softmax_held`` and ``_checkpoint_inputs`` (its own),
     ``other_factor``, ``probe_floors`` and ``nonzero_shares``."""
 
     def __init__(self) -> None:
         super().__init__()
         self._softmax: set[str] = set()  # sites saving a softmax's output
         self._softmax_held: set[str] = set()  # their classes held at SOFTMAX_FLOOR
+        self._checkpoint_inputs: set[str] = set()  # sites at CHECKPOINT_FLOOR at least
 
     def _variance(self, key: str) -> float:
         """Modelled error variance per element of tensor ``key`` under the settings (a
@@ -270,14 +282,24 @@ class ScopeFloors:
             self._saturating.add(site.key)
         if site.module_type in SOFTMAX_TYPES or softmax_output(x):
             self._softmax.add(site.key)
+        if site.checkpoint_input:
+            self._checkpoint_inputs.add(site.key)
+
+    def first_width(self, site: SiteInfo) -> int:
+        """The width of a site the allocation has not set yet: ``initial_width``, or
+        CHECKPOINT_FLOOR for a checkpointed region's input."""
+        if site.checkpoint_input:
+            return max(self.initial_width, CHECKPOINT_FLOOR, key=ORDER.index)
+        return self.initial_width
 
     def floors(self) -> dict[str, int]:
         """The smallest width per tensor the allocation must respect: the measured floors,
         the probes' (:mod:`~lightning_acgc.policies.acgc_probes`), and
         :data:`~lightning_acgc.policies.error_model.BIAS_FLOOR` for the saved outputs of
-        saturating activations (a bias, not a variance: the error model does not see it), and
-        ``MASK_FLOOR`` for ReLU outputs the model counts exact in their ReLU's backward
-        (quant keeps zeros and positives apart from 2 bits up, not at 1)."""
+        saturating activations (a bias, not a variance: the error model does not see it),
+        ``CHECKPOINT_FLOOR`` for checkpointed regions' inputs, and ``MASK_FLOOR`` for ReLU
+        outputs the model counts exact in their ReLU's backward (quant keeps zeros and
+        positives apart from 2 bits up, not at 1)."""
         floors = dict(getattr(self, "_floors", None) or {})
         for key, width in self.probe_floors().items():  # acgc_probes: PROBE_WIDTH
             floors[key] = max(floors.get(key, LADDER[0]), width, key=ORDER.index)
@@ -286,6 +308,8 @@ class ScopeFloors:
         for key in self._softmax:
             if tensor_class(key) in self._softmax_held:
                 floors[key] = max(floors.get(key, LADDER[0]), SOFTMAX_FLOOR, key=ORDER.index)
+        for key in self._checkpoint_inputs:
+            floors[key] = max(floors.get(key, LADDER[0]), CHECKPOINT_FLOOR, key=ORDER.index)
         for key, sens in self._step_sens.items():
             if sens.keeps_mask:  # the model counts its ReLU's backward exact: its mask kept
                 floors[key] = max(floors.get(key, LADDER[0]), MASK_FLOOR, key=ORDER.index)

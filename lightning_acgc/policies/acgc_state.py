@@ -59,6 +59,7 @@ class ACGCState:
             "saturating": sorted(self._saturating),
             "softmax": sorted(self._softmax),
             "softmax_held": sorted(self._softmax_held),
+            "checkpoint_inputs": sorted(self._checkpoint_inputs),
             "structure": {k: dataclasses.asdict(r) for k, r in self._structure.items()},
             "probe_readings": {k: list(v) for k, v in self._probe_readings.items()},
             "probed_at": dict(self._probed_at),
@@ -107,6 +108,7 @@ class ACGCState:
         softmax = [k for k, r in self._structure.items() if r.module_type in SOFTMAX_TYPES]
         self._softmax = set(state.get("softmax", softmax))
         self._softmax_held = set(state.get("softmax_held", ()))
+        self._checkpoint_inputs = set(state.get("checkpoint_inputs", ()))
         self._probe_readings = {
             k: deque(v, maxlen=self.history) for k, v in state.get("probe_readings", {}).items()
         }
