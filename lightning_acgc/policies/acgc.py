@@ -249,7 +249,8 @@ class ACGCPolicy(
             self._calib_s += time.perf_counter() - start
         if self.codec == "bounded":
             return self._bounded_for(site.key, self.bounds, self.initial_relative_bound)
-        bits = self.site_bits.get(site.key) or self.first_width(site)
+        bits = self.site_bits.get(site.key)
+        bits = self.first_width(site) if bits is None else bits
         if bits in (KEEP, HALF):
             return None if bits == KEEP else self._codec("half")
         return self.quant_codec(site.key, bits, self.site_split.get(site.key, 0.0))

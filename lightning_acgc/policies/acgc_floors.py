@@ -77,9 +77,12 @@ SOFTMAX_ALARM = 2.0
 # the rounding, not with its variance as the error model has it: on the quick ResNet
 # with each residual block checkpointed, rounding the block inputs alone put the
 # gradient 0.11-0.19 off at 8 bits and 0.027 as float16 (0.0006 as float16 unchecked).
-# Measured floors may raise it to kept. Starting there as a measured floor instead, one
-# that loosens where its scope has room, went to 8 bits on that ResNet (the error model
-# blames the other tensors in the scope) and measured 0.07-0.13.
+# Where a layer inside the region's scope goes over its budget all the same (ResNet-50
+# at batch 4: 0.076 with float16 block inputs), the error model cannot say which tensor
+# to widen (it blamed the stem's), so the region's input is kept as it is from then on,
+# with its class (the same input of every block of a stage), for the rest of the fit.
+# Starting as a measured floor that loosens where its scope has room instead went to 8
+# bits on the quick ResNet and measured 0.07-0.13.
 CHECKPOINT_FLOOR = HALF
 
 
@@ -127,7 +130,8 @@ class ScopeFloors:
     per-layer readings, and each tensor's modelled variance under the settings in force.
     Uses ``site_bits``, ``site_split``, ``bounds``, ``codec``, ``_variances``, ``_sens``,
     ``_raw_bits``, ``_inv_var``, ``_saturating``, ``_step_sens``, ``initial_width``,
-    ``_softmax``, ``_softmax_held`` and ``_checkpoint_inputs`` (its own),
+    ``_softmax``, ``_softmax_held``, ``_checkpoint_inputs`` and ``_checkpoint_held`` (its
+    own),
     ``other_factor``, ``probe_floors`` and ``nonzero_shares``."""
 
     def __init__(self) -> None:
@@ -135,6 +139,7 @@ class ScopeFloors:
         self._softmax: set[str] = set()  # sites saving a softmax's output
         self._softmax_held: set[str] = set()  # their classes held at SOFTMAX_FLOOR
         self._checkpoint_inputs: set[str] = set()  # sites at CHECKPOINT_FLOOR at least
+        self._checkpoint_held: set[str] = set()  # their classes kept as they are
 
     def _variance(self, key: str) -> float:
         """Modelled error variance per element of tensor ``key`` under the settings (a
@@ -174,10 +179,13 @@ class ScopeFloors:
         others = {k: o for k, o in others.items() if o > 0}
         scope_over = _widened(scope_over, others)
         nonzero = self.nonzero_shares()  # type: ignore[attr-defined]
+        held = False  # a checkpointed region's input newly kept
         # innermost scopes first: a tensor tightened for an inner scope counts as such
         for scope in sorted(scope_over, key=lambda s: -s.count(".") - bool(s)):
             keys = sorted(k for k in others if within(k.rpartition(":")[0], scope))
-            if not keys:
+            fresh = bool(keys) and self._hold_checkpoint_inputs(keys)
+            held |= fresh
+            if not keys or fresh:
                 continue
             widths = [
                 max(
@@ -204,6 +212,8 @@ class ScopeFloors:
         self._loosen(floors, origins, others, needs, tightened)
         self._floors = floors
         self._floor_scopes = origins
+        if held:  # not only from the next calibration on: the steps until then too
+            self._allocate()  # type: ignore[attr-defined]
 
     def _loosen(
         self,
@@ -269,6 +279,15 @@ class ScopeFloors:
             if key.rpartition(":")[0] == scope:
                 self._softmax_held.add(tensor_class(key))
 
+    def _hold_checkpoint_inputs(self, keys: list[str]) -> bool:
+        """The classes of the checkpointed regions' inputs among ``keys`` (an over-budget
+        scope's tensors) kept as they are from now on; whether there were any not kept
+        yet (then they, not the scope's other tensors, take this calibration's step)."""
+        fresh = {tensor_class(k) for k in keys if k in self._checkpoint_inputs}
+        fresh -= self._checkpoint_held
+        self._checkpoint_held |= fresh
+        return bool(fresh)
+
     def note_tensor(self, site: SiteInfo, x: torch.Tensor) -> None:
         """On a calibration step, what the error model reads off a saved tensor itself: a
         normalization input's 1/variance, and whether a saturating activation saved it (by
@@ -297,9 +316,9 @@ class ScopeFloors:
         the probes' (:mod:`~lightning_acgc.policies.acgc_probes`), and
         :data:`~lightning_acgc.policies.error_model.BIAS_FLOOR` for the saved outputs of
         saturating activations (a bias, not a variance: the error model does not see it),
-        ``CHECKPOINT_FLOOR`` for checkpointed regions' inputs, and ``MASK_FLOOR`` for ReLU
-        outputs the model counts exact in their ReLU's backward (quant keeps zeros and
-        positives apart from 2 bits up, not at 1)."""
+        ``CHECKPOINT_FLOOR`` (or kept) for checkpointed regions' inputs, and
+        ``MASK_FLOOR`` for ReLU outputs the model counts exact in their ReLU's backward
+        (quant keeps zeros and positives apart from 2 bits up, not at 1)."""
         floors = dict(getattr(self, "_floors", None) or {})
         for key, width in self.probe_floors().items():  # acgc_probes: PROBE_WIDTH
             floors[key] = max(floors.get(key, LADDER[0]), width, key=ORDER.index)
@@ -309,7 +328,8 @@ class ScopeFloors:
             if tensor_class(key) in self._softmax_held:
                 floors[key] = max(floors.get(key, LADDER[0]), SOFTMAX_FLOOR, key=ORDER.index)
         for key in self._checkpoint_inputs:
-            floors[key] = max(floors.get(key, LADDER[0]), CHECKPOINT_FLOOR, key=ORDER.index)
+            width = KEEP if tensor_class(key) in self._checkpoint_held else CHECKPOINT_FLOOR
+            floors[key] = max(floors.get(key, LADDER[0]), width, key=ORDER.index)
         for key, sens in self._step_sens.items():
             if sens.keeps_mask:  # the model counts its ReLU's backward exact: its mask kept
                 floors[key] = max(floors.get(key, LADDER[0]), MASK_FLOOR, key=ORDER.index)
