@@ -196,3 +196,16 @@ def test_an_over_budget_scope_keeps_its_checkpoint_inputs_at_once() -> None:
     resumed = build_policy("acgc", gradient_error=0.1)
     resumed.load_state_dict(policy.state_dict())
     assert resumed._checkpoint_held == {"blocks.*:0"}
+
+
+def test_a_calibration_over_e_keeps_every_checkpoint_input() -> None:
+    """Measured over e (ResNet-50's first calibration with float16 block inputs: 0.075
+    against 0.05): every region's input is kept from then on, also where the allocation
+    has not set it yet."""
+    policy = build_policy("acgc", gradient_error=0.05)
+    block, head = SiteInfo("blocks.0", "Block", 0, True), SiteInfo("head", "Linear", 0)
+    assert policy.first_width(block) == HALF and policy.first_width(head) == 8
+    policy._checkpoint_inputs = {"blocks.0:0", "stage.1.blocks.2:0"}
+    policy.hold_checkpoint_inputs()
+    assert policy._checkpoint_held == {"blocks.*:0", "stage.*.blocks.*:0"}
+    assert policy.first_width(block) == KEEP and policy.first_width(head) == 8
