@@ -9,12 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch import LightningModule
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_acgc import ActivationCompressor, EngineSettings, build_policy, compressed_step
 from lightning_acgc.codecs.half import HalfCodec, HalfConfig
 from lightning_acgc.engine.sites import SiteInfo
+from lightning_acgc.lightning import ActivationCompression
 from lightning_acgc.policies import OffPolicy
 from lightning_acgc.policies.bit_allocation import HALF, KEEP, LADDER
 
@@ -209,3 +212,36 @@ def test_a_calibration_over_e_keeps_every_checkpoint_input() -> None:
     policy.hold_checkpoint_inputs()
     assert policy._checkpoint_held == {"blocks.*:0", "stage.*.blocks.*:0"}
     assert policy.first_width(block) == KEEP and policy.first_width(head) == 8
+
+
+class _LitConvBlocks(LightningModule):
+    """The checkpointed conv blocks trained by Lightning on a fixed random batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = _ConvBlocks("non-reentrant")
+        self.x, self.y = _batch()
+
+    def training_step(self, batch: tuple, batch_idx: int) -> torch.Tensor:
+        return F.cross_entropy(self.net(batch[0]), batch[1])
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.x.repeat(4, 1, 1, 1), self.y.repeat(4)), 16)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_the_lightning_callback_compresses_a_checkpointed_model() -> None:
+    """``ActivationCompression()`` (acgc) on a model that checkpoints its own blocks: the
+    blocks' inputs are found and stored as float16 or kept, within the promise."""
+    from _lightning_models import fit
+
+    callback = ActivationCompression(print_table=False, calibrate_every=1)
+    trainer = fit(_LitConvBlocks(), [callback])
+    policy = callback.policy
+    assert len(policy._checkpoint_inputs) == 3
+    codecs = {callback.stats.sites[k].codec for k in policy._checkpoint_inputs}
+    assert codecs <= {"half", "kept"}
+    assert trainer.callback_metrics["acgc/grad_error"].item() <= 0.05
