@@ -39,3 +39,23 @@ def test_a_speed_only_model_gets_rows_after_the_memory_benchmarks_models() -> No
     names = [row.split(" | ")[0] for row in rows[2:] if not row.startswith("|  |")]
     assert names == ["| GCN", "| ResNet-18 x1, batch 64"]
     assert any("| checkpoint | – | – | – | 1.34x |" in row for row in rows)
+
+
+def test_acgc_with_checkpointing_is_held_against_checkpointing_alone() -> None:
+    """Less memory than checkpointing alone and a measured error within e, or not met."""
+
+    def memory(kept: float, err: float) -> dict[str, Any]:
+        configs = {
+            "checkpoint": {"kept_mb": 22.8},
+            "acgc": {"kept_mb": 57.9},
+            "acgc_checkpoint": {"kept_mb": kept, "grad_error": err},
+        }
+        return {"models": {"resnet18": {"configs": configs}}}
+
+    times = {"plain": 1.0, "checkpoint": 1.35, "acgc": 1.1, "acgc_checkpoint": 1.48}
+    met, short = bars({"speed": _speed(times), "memory": memory(9.7, 0.021)})
+    line = "acgc with checkpointing vs checkpointing alone: 9.70 vs 22.80 MB kept"
+    assert any(line in m and "1.48x vs 1.35x step time" in m for m in met)
+    for kept, err in ((30.0, 0.02), (9.7, 0.08)):
+        met, short = bars({"speed": _speed(times), "memory": memory(kept, err)})
+        assert any("acgc with checkpointing" in s for s in short)
