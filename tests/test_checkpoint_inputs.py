@@ -209,7 +209,7 @@ def test_a_calibration_over_e_keeps_every_checkpoint_input() -> None:
     block, head = SiteInfo("blocks.0", "Block", 0, True), SiteInfo("head", "Linear", 0)
     assert policy.first_width(block) == HALF and policy.first_width(head) == 8
     policy._checkpoint_inputs = {"blocks.0:0", "stage.1.blocks.2:0"}
-    policy.hold_checkpoint_inputs()
+    policy.hold_all_checkpoint_inputs()
     assert policy._checkpoint_held == {"blocks.*:0", "stage.*.blocks.*:0"}
     assert policy.first_width(block) == KEEP and policy.first_width(head) == 8
 

@@ -98,9 +98,12 @@ class Half(nn.Module):
 
 
 class Checkpointed(nn.Module):
-    """Pre-norm residual blocks under torch.utils.checkpoint: reentrant (the checkpoint
-    keeps its inputs itself) or not (the inputs saved through the hooks, every op inside
-    through the checkpoint's own hooks)."""
+    """Pre-norm residual blocks under torch.utils.checkpoint, reentrant or not. Not
+    reentrant: the blocks' inputs saved through the hooks, every op inside through the
+    checkpoint's own hooks. Reentrant: the model's input does not require grad, so the
+    first block's output does not either and nothing of the blocks is saved or trained
+    (torch warns; with an input that requires grad, reentrant checkpointing saves it
+    through the hooks too: tests/test_checkpoint_inputs.py)."""
 
     def __init__(self, reentrant: bool) -> None:
         super().__init__()

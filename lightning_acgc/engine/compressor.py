@@ -10,6 +10,7 @@ import warnings
 import weakref
 import zlib
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 import torch
@@ -294,17 +295,18 @@ class ActivationCompressor(Recomputing):
         return saved
 
     def _pack(self, t: torch.Tensor) -> Any:
-        held = self._pack_one(t, sites.saved_by_checkpoint(sys._getframe(1)))
+        held = self._pack_one(t, sys._getframe(1))
         self._remember(t, held)  # weakly: a graph freed early releases its holders at once
         return held
 
-    def _pack_one(self, t: torch.Tensor, checkpoint_input: bool = False) -> Any:
+    def _pack_one(self, t: torch.Tensor, caller: FrameType | None = None) -> Any:
         if self._paused or t.layout != torch.strided or t.device.type == "meta":
             return t
         if t.requires_grad and is_leaf_parameter(t):
             return t
         if self._resident and t.untyped_storage().data_ptr() in self._resident:
             return t
+        checkpoint_input = sites.saved_by_checkpoint(caller)  # (the frame that saved t)
         site = self.tracker.next_site(checkpoint_input)
         # The storage's identity (kept from reuse by the weak reference in ``_dedup``)
         # and the view: a Linear on a 3-D input saves a fresh 2-D view each call, so the

@@ -157,7 +157,7 @@ class ModelCorrections:
         and rises at most ``max_tightening`` per reading, so a source that was not the
         cause does not ratchet up."""
         if self.codec == "quant" and self._metrics.get("tightened"):
-            self.hold_checkpoint_inputs()  # over e: what the error model cannot follow
+            self.hold_all_checkpoint_inputs()  # over e: what the error model cannot follow
         worst = use = step_use = 0.0
         needs: dict[str, float] = {}  # measured error / budget, per module
         through_delta: dict[str, float] = {}  # the part of that not from its own input

@@ -104,8 +104,8 @@ def within(module: str, scope: str) -> bool:
 
 def _widened(scope_over: dict[str, float], others: dict[str, float]) -> dict[str, float]:
     """Each over-budget scope, or the nearest scope around it that holds other-ops
-    tensors: a block under ``torch.utils.checkpoint`` (``use_reentrant=False``) saves
-    nothing inside it through the hooks, only its input (at the model's root), which
+    tensors: a block under ``torch.utils.checkpoint`` (either kind) saves nothing inside
+    it through the hooks, only its input (at the model's root), which
     every layer of the block reads when the block is recomputed; with nothing in their
     own scope to floor, its layers ran over their budgets for the rest of the fit.
 
@@ -289,7 +289,7 @@ class ScopeFloors:
         self._checkpoint_held |= fresh
         return bool(fresh)
 
-    def hold_checkpoint_inputs(self) -> None:
+    def hold_all_checkpoint_inputs(self) -> None:
         """A calibration measured over e: every checkpointed region's input is kept as it
         is from now on, and the settings in force are allocated again (ResNet-50 at batch
         4 measured 0.075 on its first calibration with float16 block inputs; the layers'
@@ -318,9 +318,11 @@ class ScopeFloors:
         CHECKPOINT_FLOOR for a checkpointed region's input (kept once its class is held)."""
         if not site.checkpoint_input:
             return self.initial_width
-        if tensor_class(site.key) in self._checkpoint_held:
-            return KEEP
-        return max(self.initial_width, CHECKPOINT_FLOOR, key=ORDER.index)
+        return max(self.initial_width, self._checkpoint_floor(site.key), key=ORDER.index)
+
+    def _checkpoint_floor(self, key: str) -> int:
+        """A checkpointed region's input's floor: kept once its class is held."""
+        return KEEP if tensor_class(key) in self._checkpoint_held else CHECKPOINT_FLOOR
 
     def floors(self) -> dict[str, int]:
         """The smallest width per tensor the allocation must respect: the measured floors,
@@ -339,7 +341,7 @@ class ScopeFloors:
             if tensor_class(key) in self._softmax_held:
                 floors[key] = max(floors.get(key, LADDER[0]), SOFTMAX_FLOOR, key=ORDER.index)
         for key in self._checkpoint_inputs:
-            width = KEEP if tensor_class(key) in self._checkpoint_held else CHECKPOINT_FLOOR
+            width = self._checkpoint_floor(key)
             floors[key] = max(floors.get(key, LADDER[0]), width, key=ORDER.index)
         for key, sens in self._step_sens.items():
             if sens.keeps_mask:  # the model counts its ReLU's backward exact: its mask kept
