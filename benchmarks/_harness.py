@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import glob
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -15,7 +16,6 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.checkpoint import checkpoint
 
 from benchmarks._cases import CASES, DEFAULT_CASES, generated_batch, sparse_adjacency
 from benchmarks._machine import (
@@ -27,7 +27,13 @@ from benchmarks._machine import (
     setup_threads,
     synchronize,
 )
-from lightning_acgc import ActivationCompressor, EngineSettings, build_policy, compressed_step
+from lightning_acgc import (
+    ActivationCompressor,
+    CheckpointedModules,
+    EngineSettings,
+    build_policy,
+    compressed_step,
+)
 from lightning_acgc.engine.meter import CompressionStats
 from lightning_acgc.policies import OffPolicy, Policy
 
@@ -233,16 +239,13 @@ def checkpoint_blocks(name: str, module: nn.Module) -> list[str]:
     return [n for n, m in module.named_modules() if isinstance(m, types)]
 
 
-def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-
 def with_checkpointing(module: nn.Module, blocks: Sequence[str]) -> nn.Module:
-    """A copy of ``module`` whose ``blocks`` run under non-reentrant checkpointing."""
+    """A copy of ``module`` whose ``blocks`` run under non-reentrant checkpointing (the
+    library's :class:`~lightning_acgc.checkpointing.CheckpointedModules`, left installed
+    on the copy)."""
     model = copy.deepcopy(module)
-    for name in blocks:
-        block = model.get_submodule(name)
-        block.forward = functools.partial(_checkpointed, block.forward)
+    if blocks:
+        CheckpointedModules([glob.escape(name) for name in blocks]).install(model)
     return model
 
 

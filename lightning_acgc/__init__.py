@@ -1,6 +1,7 @@
 """lightning_acgc: activation-compressed training for PyTorch and PyTorch Lightning."""
 
 from lightning_acgc.api import compress_activations
+from lightning_acgc.checkpointing import CheckpointedModules
 from lightning_acgc.codecs import CodecSpec, Packed, available_codecs, build_codec
 from lightning_acgc.engine import (
     ActivationCompressor,
@@ -23,6 +24,7 @@ __all__ = [
     "ACGCStrategy",
     "ActivationCompression",
     "ActivationCompressor",
+    "CheckpointedModules",
     "CodecSpec",
     "CompressedBatchSizeFinder",
     "CompressionStats",

@@ -46,6 +46,7 @@ class CompressionSchema:
     scale_batch_size: str | None = MISSING
     memory_budget: Any = MISSING  # None, bytes (int) or text ("2GB")
     lr_scaling: str | None = MISSING
+    checkpoint_modules: Any = MISSING  # None or module class/qualified names (list)
 
 
 @dataclass

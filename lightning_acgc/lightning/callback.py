@@ -31,14 +31,14 @@ With a compression strategy (``Trainer(strategy="acgc")``, ``"acgc_ddp"``, ...) 
 strategy's own ``training_step`` does it. With a stock Lightning strategy the callback
 wraps ``training_step`` on that one strategy instance at fit start and puts the original
 back at fit end, on exceptions and in teardown; no class and nothing in torch or
-Lightning is patched. Entering the hooks in ``on_train_batch_start`` and leaving them
-in ``on_train_batch_end`` was rejected: the hooks would also be active for backward,
-the optimizer step and other callbacks, and not at all during tuner trials.
+Lightning is patched. (Hooks entered in ``on_train_batch_start`` would also be active
+for backward, the optimizer step and other callbacks, and not during tuner trials.)
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -48,12 +48,13 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_acgc.checkpointing import CheckpointedModules, check_patterns
 from lightning_acgc.engine.meter import CompressionStats
 from lightning_acgc.engine.settings import EngineSettings
 from lightning_acgc.lightning.batch_size import CompressedBatchSizeFinder
 from lightning_acgc.lightning.driver import CalibrationDriver
 from lightning_acgc.lightning.memory import parse_memory
-from lightning_acgc.lightning.options import codec_text, make_policy, policy_text
+from lightning_acgc.lightning.options import codec_text, make_finder, make_policy, policy_text
 from lightning_acgc.policies import OffPolicy, Policy
 
 __all__ = ["ActivationCompression"]
@@ -95,6 +96,10 @@ class ActivationCompression(Callback):
             past it raises an out-of-memory error that the tuner recognizes.
         lr_scaling: ``"linear"``, ``"sqrt"`` or ``None``: how the learning rate follows
             the batch size found by ``scale_batch_size``.
+        checkpoint_modules: module class names (``"BertLayer"``) or qualified names
+            (``fnmatch`` wildcards) run under ``torch.utils.checkpoint`` during the fit;
+            compression then takes what autograd still saves, each block's input
+            included (:class:`~lightning_acgc.checkpointing.CheckpointedModules`).
         **options: the policy's options, routed by what the policy declares (see
             :func:`lightning_acgc.policies.build_policy`): codec and codec options for
             ``"fixed"`` (``codec="quant", bits=2``); the error target,
@@ -147,53 +152,24 @@ class ActivationCompression(Callback):
         scale_batch_size: str | CompressedBatchSizeFinder | None = None,
         memory_budget: int | str | None = None,
         lr_scaling: str | None = None,
+        checkpoint_modules: str | Sequence[str] | None = None,
         **options: Any,
     ) -> None:
         _check_int("log_every_n_steps", log_every_n_steps, 1)
         self.policy = make_policy(policy, backend, options)
+        patterns = check_patterns(checkpoint_modules)
+        if patterns and not self.enabled:
+            raise ValueError("checkpoint_modules needs compression; policy='off' installs nothing")
         self.log_every_n_steps = log_every_n_steps
         if print_table not in (True, False, "full"):
             raise ValueError(f"print_table={print_table!r} must be True, False or 'full'")
         self.print_table = print_table
-        self.batch_size_finder = self._make_finder(scale_batch_size, lr_scaling)
+        self.batch_size_finder = make_finder(scale_batch_size, lr_scaling, self.enabled)
         first = (min_numel, seed, bool(compress_masks), bool(strict), coalesce_min_numel)
         settings = EngineSettings(*first, compress_loss=bool(compress_loss))
-        self._driver = CalibrationDriver(self.policy, settings, parse_memory(memory_budget))
+        blocks = CheckpointedModules(patterns) if patterns else None
+        self._driver = CalibrationDriver(self.policy, settings, parse_memory(memory_budget), blocks)
         self._search_logged = False
-
-    def _make_finder(
-        self, scale_batch_size: str | CompressedBatchSizeFinder | None, lr_scaling: str | None
-    ) -> CompressedBatchSizeFinder | None:
-        if scale_batch_size is None:
-            if lr_scaling is not None:
-                raise ValueError(
-                    f"lr_scaling={lr_scaling!r} applies to a batch-size search; "
-                    "set scale_batch_size='binsearch' or 'power' too"
-                )
-            return None
-        if not self.enabled:
-            raise ValueError(
-                "scale_batch_size needs compression, but policy='off' installs nothing; "
-                "use Lightning's BatchSizeFinder for an uncompressed search"
-            )
-        if isinstance(scale_batch_size, CompressedBatchSizeFinder):
-            if lr_scaling is not None:
-                if scale_batch_size.lr_scaling not in (None, lr_scaling):
-                    raise ValueError(
-                        f"lr_scaling={lr_scaling!r} differs from the finder's "
-                        f"{scale_batch_size.lr_scaling!r}; give it in one place"
-                    )
-                scale_batch_size.lr_scaling = lr_scaling
-            finder = scale_batch_size
-        elif isinstance(scale_batch_size, str):
-            finder = CompressedBatchSizeFinder(scale_batch_size, lr_scaling=lr_scaling)
-        else:
-            raise ValueError(
-                f"scale_batch_size={scale_batch_size!r} must be 'power', 'binsearch', "
-                "a CompressedBatchSizeFinder or None"
-            )
-        finder._owned = True
-        return finder
 
     # -- public read-outs --------------------------------------------------------
     @property

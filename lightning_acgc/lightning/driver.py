@@ -14,6 +14,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_acgc.checkpointing import CheckpointedModules
 from lightning_acgc.engine.compressor import ActivationCompressor
 from lightning_acgc.engine.cycle import CalibrationCycle
 from lightning_acgc.engine.settings import EngineSettings
@@ -71,14 +72,20 @@ class CalibrationDriver:
         policy: the policy of the fit.
         settings: the engine's settings.
         memory_budget: bytes (see :class:`~lightning_acgc.engine.ActivationCompressor`).
+        checkpointed: submodules run under ``torch.utils.checkpoint`` while active.
     """
 
     def __init__(
-        self, policy: Policy, settings: EngineSettings, memory_budget: int | None = None
+        self,
+        policy: Policy,
+        settings: EngineSettings,
+        memory_budget: int | None = None,
+        checkpointed: CheckpointedModules | None = None,
     ) -> None:
         self.policy = policy
         self.settings = settings
         self.memory_budget = memory_budget
+        self.checkpointed = checkpointed
         self.step = 0
         self.engine: ActivationCompressor | None = None
         self.cycle: CalibrationCycle | None = None
@@ -160,6 +167,8 @@ class CalibrationDriver:
         strategy = trainer.strategy
         try:
             self.engine = engine
+            if self.checkpointed is not None:
+                self.checkpointed.install(pl_module)
             self.policy.setup(pl_module)
             if isinstance(strategy, CompressionScopeMixin):
                 strategy.attach_compression(self)
@@ -167,6 +176,8 @@ class CalibrationDriver:
             else:
                 self._patch = TrainingStepPatch(strategy, self)
         except BaseException:
+            if self.checkpointed is not None:
+                self.checkpointed.remove()
             engine.remove()
             raise
         self.cycle = CalibrationCycle(engine, make_reduce(trainer), trainer.world_size)
@@ -183,6 +194,8 @@ class CalibrationDriver:
         if self._strategy is not None:
             self._strategy.detach_compression()
             self._strategy = None
+        if self.checkpointed is not None:
+            self.checkpointed.remove()
         if self.engine is not None and self.engine.installed:
             self.engine.remove()
         self._trainer = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_acgc.codecs import CodecSpec, codec_option_names
+from lightning_acgc.lightning.batch_size import CompressedBatchSizeFinder
 from lightning_acgc.policies import Policy, build_policy
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "DEFAULT_POLICY",
     "DEFAULT_POLICY_OPTIONS",
     "codec_text",
+    "make_finder",
     "make_policy",
     "policy_text",
 ]
@@ -71,3 +73,47 @@ def policy_text(policy: Policy) -> str:
         if isinstance(value, (bool, int, float, str)):
             parts.append(f"{name}={value}")
     return " ".join(p for p in parts if p)
+
+
+def make_finder(
+    scale_batch_size: str | CompressedBatchSizeFinder | None,
+    lr_scaling: str | None,
+    enabled: bool,
+) -> CompressedBatchSizeFinder | None:
+    """The batch-size search ``scale_batch_size`` and ``lr_scaling`` ask for (``None``:
+    none); ``enabled`` is False for the ``off`` policy, which cannot search.
+
+    Example:
+        >>> make_finder("power", "sqrt", True).lr_scaling, make_finder(None, None, True)
+        ('sqrt', None)
+    """
+    if scale_batch_size is None:
+        if lr_scaling is not None:
+            raise ValueError(
+                f"lr_scaling={lr_scaling!r} applies to a batch-size search; "
+                "set scale_batch_size='binsearch' or 'power' too"
+            )
+        return None
+    if not enabled:
+        raise ValueError(
+            "scale_batch_size needs compression, but policy='off' installs nothing; "
+            "use Lightning's BatchSizeFinder for an uncompressed search"
+        )
+    if isinstance(scale_batch_size, CompressedBatchSizeFinder):
+        if lr_scaling is not None:
+            if scale_batch_size.lr_scaling not in (None, lr_scaling):
+                raise ValueError(
+                    f"lr_scaling={lr_scaling!r} differs from the finder's "
+                    f"{scale_batch_size.lr_scaling!r}; give it in one place"
+                )
+            scale_batch_size.lr_scaling = lr_scaling
+        finder = scale_batch_size
+    elif isinstance(scale_batch_size, str):
+        finder = CompressedBatchSizeFinder(scale_batch_size, lr_scaling=lr_scaling)
+    else:
+        raise ValueError(
+            f"scale_batch_size={scale_batch_size!r} must be 'power', 'binsearch', "
+            "a CompressedBatchSizeFinder or None"
+        )
+    finder._owned = True
+    return finder
