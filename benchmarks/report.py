@@ -152,7 +152,14 @@ def sweep_section(results: Path = RESULTS) -> list[str]:
             "",
             "Each run line in `benchmarks/results/sweep.jsonl` holds its Hydra overrides "
             "(`python -m benchmarks.sweep`); `--summarize benchmarks/results/sweep.jsonl` "
-            "prints this table again.",
+            "prints this table again."
+            + (
+                " The ratio of a `checkpoint_modules` row is the callback's `acgc/ratio`: "
+                "against what autograd saves with those blocks checkpointed (against "
+                "plain: the memory table's `acgc + checkpoint` rows)."
+                if any("checkpoint_modules" in r["config"] for r in runs)
+                else ""
+            ),
         ],
     )
 
