@@ -13,6 +13,7 @@ fills the table in README.md.
     python -m benchmarks.run_all --full       # the size presets (the default); CUDA when available
     python -m benchmarks.run_all --full --only memory speed --device cuda --batch-size 64
     python -m benchmarks.run_all --full --only kernels codecs --device cuda
+    python -m benchmarks.run_all --full --only speed --rounds 9   # more rounds: less noise
 
 Full mode on 2 CPU cores (AMD EPYC, last timed 2026-11-25), each case at its default
 batch (``benchmarks/_cases.py``): memory 9 min, speed (5 interleaved rounds) 9 min,
@@ -48,6 +49,8 @@ BENCHMARKS = (
     "promise",
     "margin",
 )
+# The benchmarks that repeat interleaved rounds (``--rounds``; each has its own default).
+ROUNDS = ("speed", "codecs", "cpu_backends")
 # Run only when asked (``--only kernels``): the Triton kernels' GB/s mean something on a GPU.
 EXTRA = ("kernels",)
 
@@ -110,6 +113,22 @@ def run(name: str, options: list[str]) -> tuple[dict[str, Any] | None, float, st
     return result, seconds, tail
 
 
+def extra_options(name: str, batch_size: int | None, rounds: int | None) -> list[str]:
+    """The options of benchmark ``name`` beyond the common ones: ``--batch-size`` for the
+    sized ones, ``--rounds`` for those that repeat rounds.
+
+    Example:
+        >>> extra_options("speed", 8, 9), extra_options("memory", None, 9)
+        (['--batch-size', '8', '--rounds', '9'], [])
+    """
+    extra = []
+    if batch_size is not None and name in ("memory", "speed", "batch"):
+        extra += ["--batch-size", str(batch_size)]
+    if rounds is not None and name in ROUNDS:
+        extra += ["--rounds", str(rounds)]
+    return extra
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -122,18 +141,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="interleaved rounds of " + ", ".join(ROUNDS)
+    )
     parser.add_argument("--only", nargs="+", choices=BENCHMARKS + EXTRA, default=list(BENCHMARKS))
     args = parser.parse_args(argv)
     options = ["--device", args.device]
     options += ["--quick"] if args.quick else []
     options += ["--threads", str(args.threads)] if args.threads is not None else []
     failed = []
-    sized = ("memory", "speed", "batch")
     total = time.perf_counter()
     for name in args.only:
-        extra = []
-        if args.batch_size is not None and name in sized:
-            extra = ["--batch-size", str(args.batch_size)]
+        extra = extra_options(name, args.batch_size, args.rounds)
         print(f"{name}: running (python -m benchmarks.{name} {' '.join(options + extra)})")
         result, seconds, tail = run(name, options + extra)
         if result is None:
