@@ -4,7 +4,8 @@
 Checkpointing a block keeps only its input for backward and runs the block again there;
 activation compression then compresses what autograd still saves: each block's input
 and the tensors saved outside the blocks (the engine marks the inputs,
-``SiteInfo.checkpoint_input``, and ``acgc`` keeps them at float16 or more). The
+``SiteInfo.checkpoint_input``; ``acgc`` keeps them at 8 bits or more where the block is
+smooth, float16 or more where it holds a ReLU-like op). The
 callback's ``checkpoint_modules`` installs one of these on fit start and removes it on
 fit end, also after an exception.
 

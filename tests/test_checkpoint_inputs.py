@@ -1,8 +1,9 @@
 """Inputs of regions under ``torch.utils.checkpoint``: the engine marks them
 (``SiteInfo.checkpoint_input``), never leaves them to a lossy holder or remakes them, and
-acgc stores them as float16 at least (``acgc_floors.CHECKPOINT_FLOOR``): backward runs
-the region again from their decoded values, and ReLU masks remade from rounded inputs
-put the gradient far off its error model."""
+acgc stores them as float16 at least where the region holds a ReLU (``CHECKPOINT_FLOOR``;
+8 bits where it is smooth: test_checkpoint_regions.py): backward runs the region again
+from their decoded values, and ReLU masks remade from rounded inputs put the gradient far
+off its error model."""
 
 from __future__ import annotations
 
@@ -189,7 +190,7 @@ def test_an_over_budget_scope_keeps_its_checkpoint_inputs_at_once() -> None:
     policy._allocate = lambda: allocations.append(dict(policy.floors()))
     needs = {"blocks.0.fc": 10.0, "blocks.1.fc": 0.5}
     policy._update_floors(needs, through_delta=needs)
-    assert policy._checkpoint_held == {"blocks.*:0"}
+    assert policy._checkpoint_held == {"blocks.*:0": KEEP}  # float16 (no reading) -> kept
     assert policy.floors()["blocks.0:0"] == policy.floors()["blocks.1:0"] == KEEP
     assert "blocks.0.fc:0" not in policy._floors  # this step's correction is the hold
     assert len(allocations) == 1 and allocations[0]["blocks.1:0"] == KEEP
@@ -198,7 +199,7 @@ def test_an_over_budget_scope_keeps_its_checkpoint_inputs_at_once() -> None:
     assert "blocks.0.fc:0" in policy._floors and len(allocations) == 1
     resumed = build_policy("acgc", gradient_error=0.1)
     resumed.load_state_dict(policy.state_dict())
-    assert resumed._checkpoint_held == {"blocks.*:0"}
+    assert resumed._checkpoint_held == {"blocks.*:0": KEEP}
 
 
 def test_a_calibration_over_e_keeps_every_checkpoint_input() -> None:
@@ -210,7 +211,7 @@ def test_a_calibration_over_e_keeps_every_checkpoint_input() -> None:
     assert policy.first_width(block) == HALF and policy.first_width(head) == 8
     policy._checkpoint_inputs = {"blocks.0:0", "stage.1.blocks.2:0"}
     policy.hold_all_checkpoint_inputs()
-    assert policy._checkpoint_held == {"blocks.*:0", "stage.*.blocks.*:0"}
+    assert policy._checkpoint_held == {"blocks.*:0": KEEP, "stage.*.blocks.*:0": KEEP}
     assert policy.first_width(block) == KEEP and policy.first_width(head) == 8
 
 

@@ -40,6 +40,7 @@ from lightning_acgc.engine.sites import SiteInfo
 from lightning_acgc.policies.acgc_allocation import UNCONSTRAINED, average
 from lightning_acgc.policies.acgc_probes import tensor_class
 from lightning_acgc.policies.bit_allocation import HALF, KEEP, LADDER, allocate_to_error
+from lightning_acgc.policies.checkpoint_regions import RegionKinds
 from lightning_acgc.policies.error_model import (
     BIAS_FLOOR,
     NORM_TYPES,
@@ -71,20 +72,25 @@ MASK_FLOOR = 2  # quant keeps a ReLU output's mask (zeros, positives) at 2 bits 
 SOFTMAX_FLOOR = HALF
 SOFTMAX_ALARM = 2.0
 # A checkpointed region's input (torch.utils.checkpoint, either kind) is stored as
-# float16 at least: backward runs the region again from it, and a ReLU mask remade from a
-# rounded input flips wherever the pre-activation is within the rounding, each flip
-# sending a whole δ element the wrong way. The error then grows like the square root of
-# the rounding, not with its variance as the error model has it: on the quick ResNet
-# with each residual block checkpointed, rounding the block inputs alone put the
-# gradient 0.11-0.19 off at 8 bits and 0.027 as float16 (0.0006 as float16 unchecked).
+# float16 at least where the region holds an op whose derivative jumps: backward runs
+# the region again from it, and a ReLU mask remade from a rounded input flips wherever
+# the pre-activation is within the rounding, each flip sending a whole δ element the
+# wrong way. The error then grows like the square root of the rounding, not with its
+# variance as the error model has it: on the quick ResNet with each residual block
+# checkpointed, rounding the block inputs alone put the gradient 0.11-0.19 off at 8 bits
+# and 0.027 as float16 (0.0006 as float16 unchecked). Where every op of the region is
+# smooth (checkpoint_regions: read off the graph), 8 bits at least: BERT-base, block
+# inputs at 8 bits, 0.023 (81x) against 0.021 as float16 (45x).
 # Where a calibration measures over e, or a layer inside the region's scope goes over its
 # budget all the same (ResNet-50 at batch 4: 0.075 with float16 block inputs), the error
-# model cannot say which tensor to widen (it blamed the stem's), so the region's input is
-# kept as it is from then on (over e: every region's; a layer: its class, the same input
-# of every block of a stage), for the rest of the fit.
+# model cannot say which tensor to widen (it blamed the stem's), so the region's input
+# goes one step up, 8 bits -> float16 -> kept as it is (over e: every region's; a layer:
+# its class, the same input of every block of a stage), for the rest of the fit.
 # Starting as a measured floor that loosens where its scope has room instead went to 8
 # bits on the quick ResNet and measured 0.07-0.13.
 CHECKPOINT_FLOOR = HALF
+SMOOTH_CHECKPOINT_FLOOR = 8
+CHECKPOINT_HOLDS = {SMOOTH_CHECKPOINT_FLOOR: HALF, HALF: KEEP}  # one step up per hold
 
 
 def parent(module: str) -> str:
@@ -139,8 +145,9 @@ class ScopeFloors:
         super().__init__()
         self._softmax: set[str] = set()  # sites saving a softmax's output
         self._softmax_held: set[str] = set()  # their classes held at SOFTMAX_FLOOR
-        self._checkpoint_inputs: set[str] = set()  # sites at CHECKPOINT_FLOOR at least
-        self._checkpoint_held: set[str] = set()  # their classes kept as they are
+        self._checkpoint_inputs: set[str] = set()  # sites at a checkpoint floor at least
+        self._checkpoint_held: dict[str, int] = {}  # their classes' floors after holds
+        self._regions = RegionKinds()  # whether their regions are smooth
 
     def _variance(self, key: str) -> float:
         """Modelled error variance per element of tensor ``key`` under the settings (a
@@ -282,16 +289,19 @@ class ScopeFloors:
 
     def _hold_checkpoint_inputs(self, keys: list[str]) -> bool:
         """The classes of the checkpointed regions' inputs among ``keys`` (an over-budget
-        scope's tensors) kept as they are from now on; whether there were any not kept
-        yet (then they, not the scope's other tensors, take this calibration's step)."""
-        fresh = {tensor_class(k) for k in keys if k in self._checkpoint_inputs}
-        fresh -= self._checkpoint_held
-        self._checkpoint_held |= fresh
-        return bool(fresh)
+        scope's tensors) one step up (``CHECKPOINT_HOLDS``) from now on; whether any moved
+        (then they, not the scope's other tensors, take this calibration's step)."""
+        fresh = False
+        for cls in sorted({tensor_class(k) for k in keys if k in self._checkpoint_inputs}):
+            now = self._class_floor(cls)
+            if now != KEEP:
+                self._checkpoint_held[cls] = CHECKPOINT_HOLDS.get(now, KEEP)
+                fresh = True
+        return fresh
 
     def hold_all_checkpoint_inputs(self) -> None:
-        """A calibration measured over e: every checkpointed region's input is kept as it
-        is from now on, and the settings in force are allocated again (ResNet-50 at batch
+        """A calibration measured over e: every checkpointed region's input goes one step
+        up from now on, and the settings in force are allocated again (ResNet-50 at batch
         4 measured 0.075 on its first calibration with float16 block inputs; the layers'
         readings, with κ just tightened by that miss, rang only on the third)."""
         if self._hold_checkpoint_inputs(sorted(self._checkpoint_inputs)) and self._predicted:
@@ -312,24 +322,32 @@ class ScopeFloors:
             self._softmax.add(site.key)
         if site.checkpoint_input:
             self._checkpoint_inputs.add(site.key)
+            self._regions.note(tensor_class(site.key), x)
 
     def first_width(self, site: SiteInfo) -> int:
-        """The width of a site the allocation has not set yet: ``initial_width``, or
-        CHECKPOINT_FLOOR for a checkpointed region's input (kept once its class is held)."""
+        """The width of a site the allocation has not set yet: ``initial_width``, or its
+        checkpoint floor for a checkpointed region's input."""
         if not site.checkpoint_input:
             return self.initial_width
         return max(self.initial_width, self._checkpoint_floor(site.key), key=ORDER.index)
 
     def _checkpoint_floor(self, key: str) -> int:
-        """A checkpointed region's input's floor: kept once its class is held."""
-        return KEEP if tensor_class(key) in self._checkpoint_held else CHECKPOINT_FLOOR
+        return self._class_floor(tensor_class(key))
+
+    def _class_floor(self, cls: str) -> int:
+        """A class of checkpointed regions' inputs: its floor after holds, else 8 bits
+        where its regions are smooth, float16 where not (or not known)."""
+        held = self._checkpoint_held.get(cls)
+        if held is not None:
+            return held
+        return SMOOTH_CHECKPOINT_FLOOR if self._regions.smooth(cls) else CHECKPOINT_FLOOR
 
     def floors(self) -> dict[str, int]:
         """The smallest width per tensor the allocation must respect: the measured floors,
         the probes' (:mod:`~lightning_acgc.policies.acgc_probes`), and
         :data:`~lightning_acgc.policies.error_model.BIAS_FLOOR` for the saved outputs of
         saturating activations (a bias, not a variance: the error model does not see it),
-        ``CHECKPOINT_FLOOR`` (or kept) for checkpointed regions' inputs, and
+        the checkpoint floors (or kept) for checkpointed regions' inputs, and
         ``MASK_FLOOR`` for ReLU outputs the model counts exact in their ReLU's backward
         (quant keeps zeros and positives apart from 2 bits up, not at 1)."""
         floors = dict(getattr(self, "_floors", None) or {})

@@ -60,7 +60,8 @@ class ACGCState:
             "softmax": sorted(self._softmax),
             "softmax_held": sorted(self._softmax_held),
             "checkpoint_inputs": sorted(self._checkpoint_inputs),
-            "checkpoint_held": sorted(self._checkpoint_held),
+            "checkpoint_held": dict(self._checkpoint_held),
+            "checkpoint_kinked": dict(self._regions.kinked),
             "structure": {k: dataclasses.asdict(r) for k, r in self._structure.items()},
             "probe_readings": {k: list(v) for k, v in self._probe_readings.items()},
             "probed_at": dict(self._probed_at),
@@ -110,7 +111,9 @@ class ACGCState:
         self._softmax = set(state.get("softmax", softmax))
         self._softmax_held = set(state.get("softmax_held", ()))
         self._checkpoint_inputs = set(state.get("checkpoint_inputs", ()))
-        self._checkpoint_held = set(state.get("checkpoint_held", ()))
+        held = state.get("checkpoint_held", {})  # a list before the graded holds: kept
+        self._checkpoint_held = dict.fromkeys(held, KEEP) if isinstance(held, list) else dict(held)
+        self._regions.kinked = dict(state.get("checkpoint_kinked", {}))
         self._probe_readings = {
             k: deque(v, maxlen=self.history) for k, v in state.get("probe_readings", {}).items()
         }
