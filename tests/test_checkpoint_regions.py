@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lightning_acgc import (
     ActivationCompressor,
@@ -77,6 +78,8 @@ def test_a_walk_reads_the_ops_between_two_tensors() -> None:
     assert kinked_between(x.clamp(min=0).sum(), start) is True
     assert kinked_between(F.max_pool1d(x[None], 2).sum(), start) is True
     assert kinked_between(torch.ones(2, requires_grad=True).sum(), start) is None
+    # reentrant checkpointing: one custom Function, its ops out of sight
+    assert kinked_between(checkpoint(torch.tanh, x, use_reentrant=True).sum(), start) is True
 
 
 def test_inputs_outside_the_graph_are_neither_read_nor_reading() -> None:

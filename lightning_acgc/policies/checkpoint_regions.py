@@ -14,15 +14,18 @@ block inputs at 8 bits measured 0.023 (81x) against 0.021 as float16 (45x).
 built (non-reentrant checkpointing builds the region's graph as usual; it only keeps
 the tensors the region saves out of it). When the input of region ``i + 1`` is saved,
 the walk from its autograd node back to region ``i``'s input passes through region
-``i``'s ops: a node from :data:`KINKED` among them marks the region kinked. A walk that
-does not reach the earlier input (the first block's, reentrant checkpointing's single
-node, regions apart from each other) says nothing. A class of inputs (the same input of
+``i``'s ops: a node from :data:`KINKED` among them marks the region kinked, and so does
+a custom ``autograd.Function``, whose ops the graph does not show (reentrant
+checkpointing's region, a fused kernel, a compiled graph). A walk that does not reach
+the earlier input (from the first block's input, or between regions apart from each
+other) says nothing. A class of inputs (the same input of
 every block) is smooth when a walk read one of its regions and none was kinked.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import BackwardCFunction
 
 from lightning_acgc.engine.derive_graph import Origin
 
@@ -40,7 +43,10 @@ WALK_LIMIT = 20_000  # nodes visited before a walk gives up (says nothing)
 
 
 def _kinked(node: object) -> bool:
-    return type(node).__name__.startswith(KINKED)
+    """A kinked op, or one whose ops the graph does not show: a custom
+    ``autograd.Function`` (reentrant checkpointing's region, a fused kernel, a compiled
+    graph) counts as kinked."""
+    return isinstance(node, BackwardCFunction) or type(node).__name__.startswith(KINKED)
 
 
 def kinked_between(end: torch.Tensor, start: Origin, limit: int = WALK_LIMIT) -> bool | None:
