@@ -58,11 +58,22 @@ def check_patterns(patterns: str | Sequence[str] | None) -> tuple[str, ...]:
 
 
 def _run_checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``forward`` under non-reentrant checkpointing when autograd records, else as is."""
+    """``forward`` under non-reentrant checkpointing when autograd records, else as is.
+
+    Tensor keyword arguments go to ``checkpoint`` as positional ones, so that it saves
+    them through the hooks in force (counted and compressed like the positional inputs;
+    a closure would keep them alive unseen), and no keyword can clash with
+    ``checkpoint``'s own."""
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
-    call = functools.partial(forward, **kwargs) if kwargs else forward
-    return checkpoint(call, *args, use_reentrant=False)
+    names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    rest = {k: v for k, v in kwargs.items() if k not in names}
+    n = len(args)
+
+    def call(*inputs: Any) -> Any:
+        return forward(*inputs[:n], **rest, **dict(zip(names, inputs[n:], strict=True)))
+
+    return checkpoint(call, *args, *(kwargs[k] for k in names), use_reentrant=False)
 
 
 class CheckpointedModules:

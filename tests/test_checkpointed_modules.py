@@ -133,6 +133,34 @@ def test_fewer_tensors_saved_and_block_inputs_marked() -> None:
     assert marked[None] == 0 and marked["_Block"] == 3
 
 
+def test_tensor_keyword_arguments_are_saved_through_the_hooks() -> None:
+    """A block called with a tensor keyword argument: checkpoint saves it as an input
+    (marked, counted), and the block gets it under its own name."""
+
+    class Gated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor, *, gate: torch.Tensor, checkpoint: int = 0):
+            return torch.tanh(self.fc(x)) * gate + checkpoint  # a keyword named like it
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), Gated())
+    x, leaf = torch.randn(64, 8), torch.randn(64, 16, requires_grad=True)
+    # an activation: a leaf that needs grad passes as a parameter
+    expected = torch.autograd.grad(model[1](model[0](x), gate=leaf * 1.0).sum(), leaf)[0]
+    blocks = CheckpointedModules("Gated")
+    blocks.install(model)
+    policy = _Seen()
+    with compress_activations(policy=policy, model=model, min_numel=0):
+        out = model[1](model[0](x), gate=leaf * 1.0, checkpoint=1)
+        got = torch.autograd.grad(out.sum() - 64 * 16, leaf)[0]
+    blocks.remove()
+    assert policy.checkpoint_inputs == 2  # x and gate
+    torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)  # float16 inputs
+
+
 def test_no_grad_runs_the_block_as_is(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     real = checkpointing.checkpoint
