@@ -93,6 +93,16 @@ def test_inputs_outside_the_graph_are_neither_read_nor_reading() -> None:
     kinds.note("a", r)  # not reached from the last one: says nothing
     kinds.note("a", torch.relu(r + 1))
     assert kinds.kinked == {"a": True} and not kinds.smooth("a")
+    kinds.forget()  # a new step: its first input reads nothing, nothing old is held
+    kinds.note("a", torch.tanh(r) * 1.0)
+    assert kinds.kinked == {"a": True} and kinds._last is not None
+
+
+def test_each_step_lets_the_last_steps_node_go() -> None:
+    _, policy, _ = _fit("gelu", 2)
+    assert policy._regions._last is not None  # the last calibration's last input
+    policy.begin_step(2)
+    assert policy._regions._last is None
 
 
 @pytest.mark.parametrize(("act", "floor"), [("gelu", 8), ("relu", HALF)])

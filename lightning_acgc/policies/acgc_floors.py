@@ -149,6 +149,10 @@ class ScopeFloors:
         self._checkpoint_held: dict[str, int] = {}  # their classes' floors after holds
         self._regions = RegionKinds()  # whether their regions are smooth
 
+    def begin_step(self, step: int) -> None:
+        super().begin_step(step)  # type: ignore[misc]
+        self._regions.forget()
+
     def _variance(self, key: str) -> float:
         """Modelled error variance per element of tensor ``key`` under the settings (a
         ``split`` tensor's: its shares' mix of the two widths')."""

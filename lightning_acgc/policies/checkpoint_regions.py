@@ -104,6 +104,12 @@ class RegionKinds:
                 self.kinked[before] = self.kinked.get(before, False) or found
         self._last = (cls, Origin.of(x))
 
+    def forget(self) -> None:
+        """A new step: its first input reads nothing. The last step's autograd node is let
+        go (a graph never run backward is not kept alive by it), and no walk searches a
+        whole new graph for a node of the old one."""
+        self._last = None
+
     def smooth(self, cls: str) -> bool:
         """Whether a region of class ``cls`` was read and none of them was kinked."""
         return self.kinked.get(cls) is False
