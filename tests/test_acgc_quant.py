@@ -143,10 +143,13 @@ def test_saturating_activations_keep_four_bits() -> None:
     rounding variance, which the error model (a variance) does not see. At a loose e the
     allocation gave BERT's pooler tanh 1 bit; it is held at 4, the Linear inputs are not."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 256), nn.Linear(256, 4))
+    model = nn.Sequential(
+        nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4)
+    )
     policy, _ = _calibrated(model, torch.randn(64, 16), 0.9, steps=4)
     assert policy.site_bits["1:0"] >= 4, policy.site_bits
-    assert policy.site_bits["3:0"] < 4, policy.site_bits  # the tanh output is 2:0 too
+    # the tanh output is 2:0 too; the ReLU's output (3:0, 4:0) is a Linear's input
+    assert policy.site_bits["3:0"] < 4, policy.site_bits
 
 
 class _FunctionalGate(nn.Module):

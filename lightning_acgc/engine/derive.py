@@ -11,7 +11,9 @@ kept bytes, the LayerNorm outputs a ninth.
 
 Training-mode BatchNorm outputs, and ReLU outputs of a BatchNorm (ResNet's conv-BN-ReLU,
 with the ReLU's mask kept exactly), are remade the same way: see
-:mod:`lightning_acgc.engine.derive_batch_norm`.
+:mod:`lightning_acgc.engine.derive_batch_norm`. So are Linear outputs (an attention's q, k
+and v, a feed-forward's pre-activation) from the Linear's saved input, with the product
+made again: see :mod:`lightning_acgc.engine.derive_linear`.
 
 ``y``'s error is then ``f'(x)·(x̂ − x)`` (LayerNorm: ``(x̂ − x)·γ/σ``): ``x``'s rounding
 times ``f'(x)²`` in variance. :attr:`Derivation.gain` measures that factor's mean (about
@@ -42,6 +44,12 @@ from lightning_acgc.engine.derive_batch_norm import (
     relu_output,
 )
 from lightning_acgc.engine.derive_graph import Derivation, Origin, affine_param, find, placed
+from lightning_acgc.engine.derive_linear import (
+    LAYOUT_NODES,
+    LINEAR_NODES,
+    linear_output,
+    made_by_linear,
+)
 
 __all__ = [
     "DERIVABLE_NODES",
@@ -173,12 +181,15 @@ def derived_output(saved: torch.Tensor) -> bool:
     if kind == RELU_NODE:  # every ReLU output saved: only those of a BatchNorm or a sum
         edges = base.grad_fn.next_functions  # type: ignore[union-attr]
         return len(edges) == 1 and type(edges[0][0]).__name__ in (BATCH_NORM_NODE, ADD_NODE)
+    if kind in LINEAR_NODES or kind in LAYOUT_NODES:
+        return made_by_linear(base)
     return kind in DERIVABLE_NODES
 
 
 def derive_plan(saved: torch.Tensor, recent: list[Origin]) -> Derivation | None:
     """How to remake the saved tensor ``saved`` (an activation's, a LayerNorm's or a
-    training-mode BatchNorm's output, a ReLU's output of a BatchNorm, or a view of one)
+    training-mode BatchNorm's output, a ReLU's output of a BatchNorm, a Linear's product
+    after view, transpose and copy steps, or a view of one)
     from tensors saved before it (``recent``, oldest first); None where it is not such an
     output, its input is not among them, or the output is not contiguous."""
     if not derived_output(saved):
@@ -193,6 +204,8 @@ def derive_plan(saved: torch.Tensor, recent: list[Origin]) -> Derivation | None:
         return batch_norm_output(saved, base, recent)
     if kind == RELU_NODE:
         return relu_output(saved, base, recent)
+    if kind in LINEAR_NODES or kind in LAYOUT_NODES:
+        return linear_output(saved, base, recent)
     return _activation(saved, base, recent)
 
 

@@ -44,6 +44,7 @@ class Recomputing:
     _dedup: dict[tuple, tuple[Any, weakref.ReferenceType]]
     _ledger: Any
     stats: Any
+    compress_loss: bool
 
     def _keep(self, *args: Any, **kwargs: Any) -> Saved:
         raise NotImplementedError
@@ -91,6 +92,8 @@ class Recomputing:
         by which the input's rounding variance reaches it."""
         if not derive.derived_output(t):
             return None
+        if site.outside_every_module and not self.compress_loss:
+            return None  # the loss's tensors: as float16 (EngineSettings.compress_loss)
         recent = [entry for entry in self._recent if entry.origin is not None]
         plan = derive.derive_plan(t, [entry.origin for entry in recent])
         if plan is None:

@@ -1,0 +1,189 @@
+"""Linear outputs remade from the Linear's saved input: an attention's query, key and
+value, a feed-forward's pre-activation.
+
+A Linear saves its input ``x`` for its weight's gradient. Its output ``y = x·Wᵀ + b`` is
+saved too where the next op needs it: the attention's ``q·kᵀ`` and ``p·v`` products save
+q, k and v (after a head split: a view, a transpose, a copy), a GELU saves its input (a
+view of the feed-forward's first product). Where the policy derives outputs, such a
+``y`` is stored as nothing: at unpack the product is made again from what ``x``'s holder
+unpacks and the same view, transpose and copy steps are replayed. On BERT-base q, k and
+v were a quarter of acgc's kept bytes. The price is the product itself, once more in
+backward, as checkpointing pays it.
+
+``y``'s error is then ``(x̂ − x)·Wᵀ``: for rounding errors independent across ``x``'s
+features, ``‖W‖²_F / out_features`` times ``x``'s variance per value
+(:func:`linear_gain`), the factor the error model charges ``y``'s sensitivity with.
+
+Example:
+    >>> from lightning_acgc.engine.derive_graph import Origin
+    >>> lin = torch.nn.Linear(8, 4)
+    >>> x = torch.randn(6, 8, requires_grad=True) * 1.0
+    >>> q = lin(x).view(2, 3, 2, 2).transpose(1, 2).reshape(4, 3, 2)
+    >>> plan = linear_output(q, q, [Origin.of(x)])
+    >>> plan.name, torch.allclose(plan.fn(x.detach()), q.detach())
+    ('linear', True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from lightning_acgc.engine.derive_graph import Derivation, Origin, affine_param, placed
+
+__all__ = ["LINEAR_NODES", "linear_gain", "linear_output", "made_by_linear"]
+
+Step = Callable[[torch.Tensor], torch.Tensor]
+
+# autograd nodes of a Linear's product: with a bias (addmm), without one (mm)
+LINEAR_NODES = frozenset({"AddmmBackward0", "MmBackward0"})
+# layout ops between the product and the tensor saved: how each maps its output's shape
+# back to its input's, and the forward step that replays it
+RESHAPES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
+LAYOUT_NODES = (
+    RESHAPES
+    | {"TransposeBackward0", "PermuteBackward0", "TBackward0"}
+    | {
+        "ExpandBackward0",
+        "CloneBackward0",
+    }
+)
+MAX_STEPS = 16
+
+
+def _dim(value: object, ndim: int) -> int:
+    """A dimension read off a node (negative ones come back as unsigned 64-bit)."""
+    d = int(value)  # type: ignore[call-overload]
+    if d >= 2**63:
+        d -= 2**64
+    return d % ndim if ndim else 0
+
+
+def _step(node: object, shape: tuple[int, ...]) -> tuple[Step, tuple[int, ...]] | None:
+    """The forward step of layout node ``node`` whose output has ``shape``, and its
+    input's shape; None for another node."""
+    kind = type(node).__name__
+    if kind in RESHAPES or kind == "ExpandBackward0":
+        before = tuple(int(s) for s in node._saved_self_sym_sizes)  # type: ignore[attr-defined]
+        if kind == "ExpandBackward0":
+            return (lambda y, s=shape: y.expand(s)), before
+        return (lambda y, s=shape: y.reshape(s)), before
+    if kind == "CloneBackward0":
+        return (lambda y: y.contiguous()), shape
+    if kind == "TBackward0":
+        return (lambda y: y.t()), shape[::-1]
+    if kind == "TransposeBackward0":
+        d0 = _dim(node._saved_dim0, len(shape))  # type: ignore[attr-defined]
+        d1 = _dim(node._saved_dim1, len(shape))  # type: ignore[attr-defined]
+        before = list(shape)
+        before[d0], before[d1] = shape[d1], shape[d0]
+        return (lambda y: y.transpose(d0, d1)), tuple(before)
+    if kind == "PermuteBackward0":
+        dims = [_dim(d, len(shape)) for d in node._saved_dims]  # type: ignore[attr-defined]
+        before = [0] * len(shape)
+        for i, d in enumerate(dims):
+            before[d] = shape[i]
+        return (lambda y: y.permute(dims)), tuple(before)
+    return None
+
+
+def _layout_chain(node: object, shape: tuple[int, ...]) -> tuple[object, list[Step], tuple] | None:
+    """Walk from ``node`` (it made a tensor of ``shape``) back over layout ops to a
+    Linear's product: that node, the forward steps in forward order, the product's
+    shape. None where another op comes first or the chain is longer than MAX_STEPS."""
+    steps: list[Step] = []
+    for _ in range(MAX_STEPS):
+        kind = type(node).__name__
+        if kind in LINEAR_NODES:
+            return node, steps[::-1], shape
+        if kind not in LAYOUT_NODES:
+            return None
+        got = _step(node, shape)
+        edges = [e for e in node.next_functions if e[0] is not None]  # type: ignore[attr-defined]
+        if got is None or len(edges) != 1 or edges[0][1] != 0:
+            return None
+        step, shape = got
+        steps.append(step)
+        node = edges[0][0]
+    return None
+
+
+def made_by_linear(base: torch.Tensor) -> bool:
+    """Whether ``base`` is a Linear's product, or layout ops of one (a cheap test of the
+    graph only)."""
+    node = base.grad_fn
+    return node is not None and _layout_chain(node, tuple(base.shape)) is not None
+
+
+def _weight(edge: tuple[object, int]) -> torch.Tensor | None:
+    """The parameter behind ``Wᵀ`` (a transpose of a leaf); None otherwise."""
+    node = edge[0]
+    if node is None or type(node).__name__ != "TBackward0":
+        return None
+    param = affine_param(node.next_functions[0])  # type: ignore[attr-defined]
+    return param if isinstance(param, torch.Tensor) and param.dim() == 2 else None
+
+
+def linear_gain(weight: torch.Tensor, alpha: float = 1.0) -> float:
+    """``alpha²·‖W‖²_F / out_features``: the mean factor from the variance of errors
+    independent across a Linear's input features to its output's.
+
+    Example:
+        >>> linear_gain(torch.full((4, 9), 2.0))
+        36.0
+    """
+    with torch.no_grad():
+        w = weight.detach().double()
+        return float(alpha * alpha * w.square().sum() / max(1, w.shape[0]))
+
+
+def linear_output(
+    saved: torch.Tensor, base: torch.Tensor, recent: list[Origin]
+) -> Derivation | None:
+    """How to remake ``saved`` (a view of ``base``, a Linear's product after layout
+    ops) from the Linear's input among ``recent``; None where it is not one, the input
+    is not there, the weight is not a parameter used as it is (a cast under autocast)
+    or the bias is computed."""
+    chain = _layout_chain(base.grad_fn, tuple(base.shape))
+    if chain is None:
+        return None
+    node, steps, shape = chain
+    edges = node.next_functions  # type: ignore[attr-defined]
+    with_bias = type(node).__name__ == "AddmmBackward0"
+    if with_bias and edges[0][0] is None:  # a bias that takes no gradient: not read here
+        return None
+    bias = affine_param(edges[0]) if with_bias else None
+    input_edge, weight_edge = edges[1:] if with_bias else edges
+    weight = _weight(weight_edge)
+    if weight is None or bias is False or len(shape) != 2:
+        return None
+    rows = shape[0]
+    found = [
+        i
+        for i in range(len(recent) - 1, -1, -1)
+        if recent[i].made(input_edge)
+        and recent[i].dtype == base.dtype
+        and tuple(recent[i].shape) == (rows, weight.shape[1])
+    ]
+    if not found or tuple(shape) != (rows, weight.shape[0]) or weight.dtype != base.dtype:
+        return None
+    alpha = float(getattr(node, "_saved_alpha", 1)) if with_bias else 1.0
+    beta = float(getattr(node, "_saved_beta", 1)) if with_bias else 1.0
+    view = placed(saved, base)
+
+    def fn(x_hat: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            if bias is None:
+                y = torch.mm(x_hat, weight.t())
+                y = y * alpha if alpha != 1.0 else y
+            else:
+                y = torch.addmm(bias, x_hat, weight.t(), beta=beta, alpha=alpha)
+            for step in steps:
+                y = step(y)
+            return view(y)
+
+    def gain(x: torch.Tensor | None) -> float:
+        return linear_gain(weight, alpha)
+
+    return Derivation(fn, (found[0],), "linear", gain)

@@ -1,0 +1,181 @@
+"""Linear outputs (an attention's q, k, v after the head split; a feed-forward's
+pre-activation) remade at unpack from the Linear's saved input
+(lightning_acgc.engine.derive_linear), for policies that derive outputs (acgc)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_acgc import compress_activations
+from lightning_acgc.codecs.spec import CodecSpec
+from lightning_acgc.engine.derive import Origin, derive_plan
+from lightning_acgc.engine.derive_linear import linear_gain, linear_output, made_by_linear
+from tests.test_derive import (
+    Deriving,
+    acgc_after_calibration,
+    assert_second_backward_and_freed_memory,
+)
+
+
+class Attention(nn.Module):
+    """Self-attention as BERT writes it: q, k, v Linears on a 3-D input, heads split by
+    view and transpose (or permute), ``q·kᵀ``, softmax, ``p·v``."""
+
+    def __init__(self, dim: int = 16, heads: int = 2, bias: bool = True, permute: bool = False):
+        super().__init__()
+        self.heads, self.permute = heads, permute
+        self.q, self.k, self.v = (nn.Linear(dim, dim, bias=bias) for _ in range(3))
+        self.out = nn.Linear(dim, dim)
+
+    def split(self, y: torch.Tensor) -> torch.Tensor:
+        b, s, d = y.shape
+        y = y.view(b, s, self.heads, d // self.heads)
+        return y.permute(0, 2, 1, 3) if self.permute else y.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 1.0  # not a leaf
+        q, k, v = self.split(self.q(h)), self.split(self.k(h)), self.split(self.v(h))
+        p = torch.softmax(q @ k.transpose(-1, -2), dim=-1)
+        ctx = (p @ v).transpose(1, 2).reshape(x.shape)
+        return self.out(ctx)
+
+
+def _x(seed: int = 0, shape: tuple[int, ...] = (4, 8, 16)) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).requires_grad_()
+
+
+def _grads(model: nn.Module, x: torch.Tensor, policy=None):
+    model.zero_grad()
+    x.grad = None
+    if policy is None:
+        model(x).square().mean().backward()
+        stats = None
+    else:
+        with compress_activations(model=model, policy=policy, compress_loss=True) as stats:
+            loss = model(x).square().mean()
+        loss.backward()
+    return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()], stats
+
+
+def _linear_of(stats) -> dict[str, str]:
+    """The sites remade as Linear products, each with the site of the input."""
+    return {
+        k: r.derived_from
+        for k, r in stats.sites.items()
+        if r.codec == "recomputed" and r.settings.startswith("linear")
+    }
+
+
+@pytest.mark.parametrize("permute", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+def test_kept_input_gives_plain_gradients_and_stores_no_query_key_value(bias, permute):
+    torch.manual_seed(0)
+    model, x = Attention(bias=bias, permute=permute), _x()
+    plain, _ = _grads(model, x)
+    got, stats = _grads(model, x, Deriving(None))
+    for a, b in zip(plain, got, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    # q and kᵀ (saved by q·kᵀ), v (saved by p·v): each from its Linear's input (k's and
+    # v's inputs share q's holder); the loss's (compress_loss) from out's input
+    derived = _linear_of(stats)
+    assert sorted(derived.values()) == ["out:0", "q:0", "q:0", "q:0"]
+    assert all(stats.sites[k].packed_bytes == 0 for k in derived)
+
+
+def test_derived_query_is_the_product_of_the_decoded_input():
+    """With the input rounded to 8 bits, the remade tensors are the Linears of the
+    rounded input: gradients close to plain's, within the rounding's reach."""
+    torch.manual_seed(0)
+    model, x = Attention(), _x()
+    plain, _ = _grads(model, x)
+    got, stats = _grads(model, x, Deriving(CodecSpec("quant", {"bits": 8})))
+    assert len(_linear_of(stats)) == 4
+    flat_plain = torch.cat([g.reshape(-1) for g in plain])
+    flat_got = torch.cat([g.reshape(-1) for g in got])
+    assert (flat_got - flat_plain).norm() <= 0.05 * flat_plain.norm()
+
+
+def test_plan_replays_view_transpose_and_copy():
+    lin = nn.Linear(8, 6)
+    flat = torch.randn(10, 8, requires_grad=True) * 1.0
+    y = lin(flat).view(2, 5, 3, 2).permute(0, 2, 3, 1).transpose(-1, -2).reshape(6, 5, 2)
+    plan = linear_output(y, y, [Origin.of(torch.zeros(3)), Origin.of(flat)])
+    assert plan is not None and plan.sources == (1,) and plan.name == "linear"
+    assert torch.equal(plan.fn(flat.detach()), y.detach())
+    assert plan.gain(None) == pytest.approx(linear_gain(lin.weight))
+
+
+def test_a_view_at_an_offset_of_the_product_is_placed():
+    lin = nn.Linear(8, 12)
+    x = torch.randn(10, 8, requires_grad=True) * 1.0
+    y = lin(x)
+    part = y[:, 4:9]
+    plan = derive_plan(part, [Origin.of(x)])
+    assert plan is not None and torch.equal(plan.fn(x.detach()), part.detach())
+
+
+def test_not_derived_without_the_input_a_parameter_or_a_graded_bias():
+    lin = nn.Linear(8, 4)
+    x = torch.randn(10, 8, requires_grad=True) * 1.0
+    y = lin(x)
+    assert made_by_linear(y)
+    assert linear_output(y, y, []) is None  # the input was not saved
+    assert linear_output(y, y, [Origin.of(torch.randn(10, 8, requires_grad=True) * 1.0)]) is None
+    lin.bias.requires_grad_(False)  # added by addmm, but no edge to read it from
+    assert linear_output(lin(x), lin(x), [Origin.of(x)]) is None
+    lin.bias.requires_grad_(True)
+    w = lin.weight * 1.0  # a computed weight (a cast, a reparametrization)
+    z = F.linear(x, w, lin.bias)
+    assert linear_output(z, z, [Origin.of(x)]) is None
+    scaled = lin(x) * 2.0  # another op after the product
+    assert not made_by_linear(scaled)
+
+
+def test_gain_is_the_variance_factor_of_independent_errors():
+    torch.manual_seed(0)
+    w = torch.randn(32, 64) * 0.3
+    delta = torch.randn(20000, 64) * 0.01
+    measured = float((delta @ w.t()).var() / delta.var())
+    assert linear_gain(w) == pytest.approx(measured, rel=0.05)
+    assert linear_gain(w, alpha=2.0) == pytest.approx(4 * linear_gain(w))
+
+
+def test_nan_and_inf_in_the_input_reach_the_remade_product():
+    """A NaN and an inf in the Linears' input: the remade q, k, v carry them as the
+    forward's did, so the gradients' non-finite values sit where plain's do."""
+    torch.manual_seed(0)
+    model, x = Attention(), _x().detach()
+    x[0, 1, 3], x[1, 2, 5] = float("nan"), float("inf")
+    x.requires_grad_()
+    plain, _ = _grads(model, x)
+    kept, _ = _grads(model, x, Deriving(None))
+    rounded, stats = _grads(model, x, Deriving(CodecSpec("quant", {"bits": 8})))
+    assert len(_linear_of(stats)) == 4
+    for a, b, c in zip(plain, kept, rounded, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, equal_nan=True)
+        assert torch.equal(a.isnan(), c.isnan()) and torch.equal(a.isinf(), c.isinf())
+
+
+def test_second_backward_and_freed_memory():
+    torch.manual_seed(0)
+    assert_second_backward_and_freed_memory(
+        Attention(), _x(), Deriving(CodecSpec("quant", {"bits": 8}))
+    )
+
+
+def test_acgc_remakes_query_key_value_and_keeps_its_promise():
+    """acgc on an attention block: q, k and v are remade from the shared input, whose
+    holder alone gets a width; the measured gradient error stays within e."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), Attention())
+    sites, policy, error = acgc_after_calibration(model, torch.randn(8, 16, 16), e=0.1)
+    derived = [k for k, r in sites.items() if r.codec == "recomputed" and "linear" in r.settings]
+    assert len(derived) >= 3  # q, kᵀ, v (and the GELU's input, the first Linear's product)
+    assert not set(derived) & set(policy.site_bits)
+    assert all(sites[k].gain > 0 for k in derived)
+    assert policy.metrics()["grad_error"] <= 0.1
+    assert error <= 0.1
