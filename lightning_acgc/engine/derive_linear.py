@@ -26,94 +26,25 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from lightning_acgc.engine.derive_graph import Derivation, Origin, affine_param, placed
+from lightning_acgc.engine.layout_chain import LAYOUT_NODES, layout_chain
 
-__all__ = ["LINEAR_NODES", "linear_gain", "linear_output", "made_by_linear"]
-
-Step = Callable[[torch.Tensor], torch.Tensor]
+__all__ = ["LAYOUT_NODES", "LINEAR_NODES", "linear_gain", "linear_output", "made_by_linear"]
 
 # autograd nodes of a Linear's product: with a bias (addmm), without one (mm)
 LINEAR_NODES = frozenset({"AddmmBackward0", "MmBackward0"})
-# layout ops between the product and the tensor saved: how each maps its output's shape
-# back to its input's, and the forward step that replays it
-RESHAPES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
-LAYOUT_NODES = (
-    RESHAPES
-    | {"TransposeBackward0", "PermuteBackward0", "TBackward0"}
-    | {
-        "ExpandBackward0",
-        "CloneBackward0",
-    }
-)
-MAX_STEPS = 16
 
 
-def _dim(value: object, ndim: int) -> int:
-    """A dimension read off a node (negative ones come back as unsigned 64-bit)."""
-    d = int(value)  # type: ignore[call-overload]
-    if d >= 2**63:
-        d -= 2**64
-    return d % ndim if ndim else 0
-
-
-def _step(node: object, shape: tuple[int, ...]) -> tuple[Step, tuple[int, ...]] | None:
-    """The forward step of layout node ``node`` whose output has ``shape``, and its
-    input's shape; None for another node."""
-    kind = type(node).__name__
-    if kind in RESHAPES or kind == "ExpandBackward0":
-        before = tuple(int(s) for s in node._saved_self_sym_sizes)  # type: ignore[attr-defined]
-        if kind == "ExpandBackward0":
-            return (lambda y, s=shape: y.expand(s)), before
-        return (lambda y, s=shape: y.reshape(s)), before
-    if kind == "CloneBackward0":
-        return (lambda y: y.contiguous()), shape
-    if kind == "TBackward0":
-        return (lambda y: y.t()), shape[::-1]
-    if kind == "TransposeBackward0":
-        d0 = _dim(node._saved_dim0, len(shape))  # type: ignore[attr-defined]
-        d1 = _dim(node._saved_dim1, len(shape))  # type: ignore[attr-defined]
-        before = list(shape)
-        before[d0], before[d1] = shape[d1], shape[d0]
-        return (lambda y: y.transpose(d0, d1)), tuple(before)
-    if kind == "PermuteBackward0":
-        dims = [_dim(d, len(shape)) for d in node._saved_dims]  # type: ignore[attr-defined]
-        before = [0] * len(shape)
-        for i, d in enumerate(dims):
-            before[d] = shape[i]
-        return (lambda y: y.permute(dims)), tuple(before)
-    return None
-
-
-def _layout_chain(node: object, shape: tuple[int, ...]) -> tuple[object, list[Step], tuple] | None:
-    """Walk from ``node`` (it made a tensor of ``shape``) back over layout ops to a
-    Linear's product: that node, the forward steps in forward order, the product's
-    shape. None where another op comes first or the chain is longer than MAX_STEPS."""
-    steps: list[Step] = []
-    for _ in range(MAX_STEPS):
-        kind = type(node).__name__
-        if kind in LINEAR_NODES:
-            return node, steps[::-1], shape
-        if kind not in LAYOUT_NODES:
-            return None
-        got = _step(node, shape)
-        edges = [e for e in node.next_functions if e[0] is not None]  # type: ignore[attr-defined]
-        if got is None or len(edges) != 1 or edges[0][1] != 0:
-            return None
-        step, shape = got
-        steps.append(step)
-        node = edges[0][0]
-    return None
+def _is_product(node: object) -> bool:
+    return type(node).__name__ in LINEAR_NODES
 
 
 def made_by_linear(base: torch.Tensor) -> bool:
     """Whether ``base`` is a Linear's product, or layout ops of one (a cheap test of the
     graph only)."""
-    node = base.grad_fn
-    return node is not None and _layout_chain(node, tuple(base.shape)) is not None
+    return layout_chain(base, _is_product) is not None
 
 
 def _weight(edge: tuple[object, int]) -> torch.Tensor | None:
@@ -145,10 +76,10 @@ def linear_output(
     ops) from the Linear's input among ``recent``; None where it is not one, the input
     is not there, the weight is not a parameter used as it is (a cast under autocast)
     or the bias is computed."""
-    chain = _layout_chain(base.grad_fn, tuple(base.shape))
+    chain = layout_chain(base, _is_product)
     if chain is None:
         return None
-    node, steps, shape = chain
+    node, shape = chain.start, chain.shape
     edges = node.next_functions  # type: ignore[attr-defined]
     with_bias = type(node).__name__ == "AddmmBackward0"
     if with_bias and edges[0][0] is None:  # a bias that takes no gradient: not read here
@@ -179,9 +110,7 @@ def linear_output(
                 y = y * alpha if alpha != 1.0 else y
             else:
                 y = torch.addmm(bias, x_hat, weight.t(), beta=beta, alpha=alpha)
-            for step in steps:
-                y = step(y)
-            return view(y)
+            return view(chain.replay(y))
 
     def gain(x: torch.Tensor | None) -> float:
         return linear_gain(weight, alpha)
