@@ -176,8 +176,9 @@ def test_second_backward_and_freed_memory():
 
 def test_acgc_on_a_resnet_block_keeps_its_promise():
     """acgc on two blocks of conv-BN-ReLU-conv-BN + identity, ReLU: each first ReLU's
-    output is remade (no width of its own), the residual sums every other block; the
-    promise holds."""
+    output is remade (no width of its own), and so is each first BatchNorm's input (the
+    convolution run again from its stored input), the residual sums every other block;
+    the promise holds."""
 
     class Block(nn.Module):
         def __init__(self) -> None:
@@ -194,10 +195,16 @@ def test_acgc_on_a_resnet_block_keeps_its_promise():
         nn.Conv2d(3, 8, 3, padding=1), Block(), Block(), nn.Flatten(), nn.Linear(8 * 64, 4)
     )
     sites, policy, error = acgc_after_calibration(model, torch.randn(16, 3, 8, 8))
-    for block in ("1", "2"):
-        r1 = sites[f"{block}.r1:0"]
+    # (the second block's input is the first's sum, held by the first's ReLU: 1.r2:0)
+    for block, conv_input in (("1", "1.c1:0"), ("2", "1.r2:0")):
+        r1, n1 = sites[f"{block}.r1:0"], sites[f"{block}.n1:0"]
         assert r1.codec == "recomputed" and r1.derived_from == f"{block}.n1:0"
-        assert f"{block}.n1:0" in policy.site_bits and f"{block}.r1:0" not in policy.site_bits
+        assert n1.codec == "recomputed" and n1.derived_from == conv_input
+        assert n1.settings.startswith("conv of") and n1.gain > 0
+        assert not {f"{block}.n1:0", f"{block}.r1:0"} & set(policy.site_bits)
+        # the second BatchNorm's input would be remade from r1, remade from a remade
+        # tensor: stored (no chain of convolutions)
+        assert f"{block}.n2:0" in policy.site_bits
     # the first block's sum is remade from its BatchNorm's input and the block's input
     # (stored); the second's input is that remade sum: it is stored (no chains)
     r2 = sites["1.r2:0"]

@@ -135,6 +135,19 @@ def test_not_derived_without_the_input_a_parameter_or_a_graded_bias():
     assert not made_by_linear(scaled)
 
 
+def test_a_bias_changed_in_place_before_backward_is_an_error():
+    """Autograd checks the weight (the product saved it); the bias only the remaking
+    reads: changed in place, backward stops with a clear error instead of a wrong q."""
+    torch.manual_seed(0)
+    model, x = Attention(), _x()
+    with compress_activations(model=model, policy=Deriving(None)):
+        loss = model(x).square().mean()
+    with torch.no_grad():
+        model.q.bias.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified in place between forward and backward"):
+        loss.backward()
+
+
 def test_gain_is_the_variance_factor_of_independent_errors():
     torch.manual_seed(0)
     w = torch.randn(32, 64) * 0.3
@@ -179,3 +192,22 @@ def test_acgc_remakes_query_key_value_and_keeps_its_promise():
     assert all(sites[k].gain > 0 for k in derived)
     assert policy.metrics()["grad_error"] <= 0.1
     assert error <= 0.1
+
+
+def test_no_chain_of_products_runs_again():
+    """Linear-GELU-Linear-GELU...: each product would be remade from the GELU before it,
+    back to the input; a product is remade only from a stored tensor or one remade from
+    stored ones, so every other pre-activation is stored."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32),
+        nn.GELU(), nn.Linear(32, 4),
+    )  # fmt: skip
+    x = _x(shape=(8, 16))
+    plain, _ = _grads(model, x)
+    got, stats = _grads(model, x, Deriving(None))
+    for a, b in zip(plain, got, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    linear = {k for k, v in _linear_of(stats).items() if k != ":0"}  # (":0": the loss's)
+    assert linear == {"1:0", "5:0"}
+    assert stats.sites["3:0"].codec != "recomputed"

@@ -43,6 +43,7 @@ from lightning_acgc.engine.derive_batch_norm import (
     batch_norm_output,
     relu_output,
 )
+from lightning_acgc.engine.derive_conv import CONV_NODE, conv_output
 from lightning_acgc.engine.derive_graph import Derivation, Origin, affine_param, find, placed
 from lightning_acgc.engine.derive_linear import (
     LAYOUT_NODES,
@@ -183,7 +184,7 @@ def derived_output(saved: torch.Tensor) -> bool:
         return len(edges) == 1 and type(edges[0][0]).__name__ in (BATCH_NORM_NODE, ADD_NODE)
     if kind in LINEAR_NODES or kind in LAYOUT_NODES:
         return made_by_linear(base)
-    return kind in DERIVABLE_NODES
+    return kind in DERIVABLE_NODES or kind == CONV_NODE
 
 
 def derive_plan(saved: torch.Tensor, recent: list[Origin]) -> Derivation | None:
@@ -206,6 +207,8 @@ def derive_plan(saved: torch.Tensor, recent: list[Origin]) -> Derivation | None:
         return relu_output(saved, base, recent)
     if kind in LINEAR_NODES or kind in LAYOUT_NODES:
         return linear_output(saved, base, recent)
+    if kind == CONV_NODE:
+        return conv_output(saved, base, recent)
     return _activation(saved, base, recent)
 
 

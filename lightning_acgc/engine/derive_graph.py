@@ -55,7 +55,10 @@ class Derivation(NamedTuple):
     mask, already packed at 1 bit a value: :func:`~lightning_acgc.kernels.mask.mask_pack`'s
     layout), the engine stores it and passes it to ``fn`` and ``gain`` after the sources'
     values. The sources at positions ``stored`` must be
-    stored, not remade themselves (no chains of residual sums)."""
+    stored, not remade themselves (no chains of residual sums). A ``product`` (a Linear's
+    or a convolution's output: the op run again) is made only from sources stored or
+    remade from stored ones, so that no unpack runs a chain of products back to the
+    network's first stored tensor (and holds every tensor on the way at once)."""
 
     fn: Callable[..., torch.Tensor]
     sources: tuple[int, ...]
@@ -64,6 +67,7 @@ class Derivation(NamedTuple):
     kept: torch.Tensor | None = None
     roots: tuple[int, ...] = (0,)
     stored: tuple[int, ...] = ()
+    product: bool = False
 
 
 def placed(saved: torch.Tensor, base: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -103,7 +103,14 @@ def linear_output(
     beta = float(getattr(node, "_saved_beta", 1)) if with_bias else 1.0
     view = placed(saved, base)
 
+    versions = _versions(weight, bias)
+
     def fn(x_hat: torch.Tensor) -> torch.Tensor:
+        if _versions(weight, bias) != versions:  # autograd does not check the bias
+            raise RuntimeError(
+                "a Linear's weight or bias was modified in place between forward and "
+                "backward: its output, remade at unpack, would not be the forward's"
+            )
         with torch.no_grad():
             if bias is None:
                 y = torch.mm(x_hat, weight.t())
@@ -115,4 +122,8 @@ def linear_output(
     def gain(x: torch.Tensor | None) -> float:
         return linear_gain(weight, alpha)
 
-    return Derivation(fn, (found[0],), "linear", gain)
+    return Derivation(fn, (found[0],), "linear", gain, product=True)
+
+
+def _versions(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int]:
+    return weight._version, -1 if bias is None else bias._version

@@ -102,6 +102,8 @@ class Recomputing:
         sources = [entry.source() for entry in entries]
         if any(s is None for s in sources) or any(_remade(sources[k]) for k in plan.stored):
             return None
+        if plan.product and any(_remade_twice(s) for s in sources):
+            return None  # no chains of products run again (Derivation.product)
         roots = [sources[k] for k in plan.roots]
         of = ", ".join(r.site if isinstance(r, Saved) else "its input" for r in roots)
         bits = [] if plan.kept is None else [plan.kept]  # a mask: 1 bit a value
@@ -147,6 +149,11 @@ STRONG_WINDOW = 8
 
 def _remade(source: Saved | torch.Tensor) -> bool:
     return isinstance(source, Saved) and source.recompute is not None
+
+
+def _remade_twice(source: Saved | torch.Tensor) -> bool:
+    """Whether ``source`` is remade from a tensor remade itself."""
+    return _remade(source) and any(_remade(s) for s in source.sources)  # type: ignore[union-attr]
 
 
 def _at_hand(entry: Recent, source: Saved | torch.Tensor) -> torch.Tensor | None:

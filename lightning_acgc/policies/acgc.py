@@ -135,7 +135,7 @@ class ACGCPolicy(
     """
 
     name = "acgc"
-    derives_elementwise = True  # activation/LayerNorm outputs remade (engine/derive.py)
+    derives_elementwise = True  # activation/norm/Linear outputs remade (engine/derive.py)
     codecs = CODECS  # what codec= may name; the first is the default
     options = (
         "gradient_error", "calibrate_every", "verify", "warmup_steps", "history",
