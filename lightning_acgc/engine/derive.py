@@ -13,7 +13,8 @@ Training-mode BatchNorm outputs, and ReLU outputs of a BatchNorm (ResNet's conv-
 with the ReLU's mask kept exactly), are remade the same way: see
 :mod:`lightning_acgc.engine.derive_batch_norm`. So are Linear outputs (an attention's q, k
 and v, a feed-forward's pre-activation) from the Linear's saved input, with the product
-made again: see :mod:`lightning_acgc.engine.derive_linear`.
+made again: see :mod:`lightning_acgc.engine.derive_linear`; and a convolution's output that
+a BatchNorm saves: see :mod:`lightning_acgc.engine.derive_conv`.
 
 ``y``'s error is then ``f'(x)·(x̂ − x)`` (LayerNorm: ``(x̂ − x)·γ/σ``): ``x``'s rounding
 times ``f'(x)²`` in variance. :attr:`Derivation.gain` measures that factor's mean (about
@@ -190,7 +191,7 @@ def derived_output(saved: torch.Tensor) -> bool:
 def derive_plan(saved: torch.Tensor, recent: list[Origin]) -> Derivation | None:
     """How to remake the saved tensor ``saved`` (an activation's, a LayerNorm's or a
     training-mode BatchNorm's output, a ReLU's output of a BatchNorm, a Linear's product
-    after view, transpose and copy steps, or a view of one)
+    after view, transpose and copy steps, a convolution's output, or a view of one)
     from tensors saved before it (``recent``, oldest first); None where it is not such an
     output, its input is not among them, or the output is not contiguous."""
     if not derived_output(saved):
