@@ -194,20 +194,18 @@ def derive_plan(saved: torch.Tensor, recent: list[Origin]) -> Derivation | None:
     after view, transpose and copy steps, a convolution's output, or a view of one)
     from tensors saved before it (``recent``, oldest first); None where it is not such an
     output, its input is not among them, or the output is not contiguous."""
-    if not derived_output(saved):
-        return None
     base = saved if saved._base is None else saved._base
-    if not base.is_contiguous():
-        return None
     kind = type(base.grad_fn).__name__
+    if kind in LINEAR_NODES or kind in LAYOUT_NODES:  # (one walk of the layout chain)
+        return linear_output(saved, base, recent) if base.is_contiguous() else None
+    if not derived_output(saved) or not base.is_contiguous():
+        return None
     if kind == LAYER_NORM_NODE:
         return _layer_norm(saved, base, recent)
     if kind == BATCH_NORM_NODE:
         return batch_norm_output(saved, base, recent)
     if kind == RELU_NODE:
         return relu_output(saved, base, recent)
-    if kind in LINEAR_NODES or kind in LAYOUT_NODES:
-        return linear_output(saved, base, recent)
     if kind == CONV_NODE:
         return conv_output(saved, base, recent)
     return _activation(saved, base, recent)

@@ -28,7 +28,13 @@ from __future__ import annotations
 
 import torch
 
-from lightning_acgc.engine.derive_graph import Derivation, Origin, affine_param, placed
+from lightning_acgc.engine.derive_graph import (
+    Derivation,
+    Origin,
+    affine_param,
+    check_unchanged,
+    placed,
+)
 
 __all__ = ["CONV_NODE", "conv_gain", "conv_output"]
 
@@ -79,14 +85,10 @@ def conv_output(saved: torch.Tensor, base: torch.Tensor, recent: list[Origin]) -
     groups = int(node._saved_groups)  # type: ignore[union-attr]
     stride, padding, dilation, output_padding = args
     view = placed(saved, base)
-    versions = (weight._version, -1 if bias is None else bias._version)
+    unchanged = check_unchanged("a convolution", weight, bias)
 
     def fn(x_hat: torch.Tensor) -> torch.Tensor:
-        if (weight._version, -1 if bias is None else bias._version) != versions:
-            raise RuntimeError(
-                "a convolution's weight or bias was modified in place between forward "
-                "and backward: its output, remade at unpack, would not be the forward's"
-            )
+        unchanged()
         with torch.no_grad():
             y = torch.ops.aten.convolution(
                 x_hat, weight, bias, stride, padding, dilation, False, output_padding, groups

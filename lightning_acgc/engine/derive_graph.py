@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Derivation", "Origin", "affine_param", "find", "placed"]
+__all__ = ["Derivation", "Origin", "affine_param", "check_unchanged", "find", "placed"]
 
 
 class Origin(NamedTuple):
@@ -92,3 +92,19 @@ def affine_param(edge: tuple[object, int]) -> torch.Tensor | bool | None:
         return None
     variable = getattr(node, "variable", None)
     return variable if isinstance(variable, torch.Tensor) else False
+
+
+def check_unchanged(what: str, *params: torch.Tensor | None) -> Callable[[], None]:
+    """A check, run at unpack, that ``params`` (an op's weight and bias, read again to
+    remake its output) were not modified in place since forward; raises naming ``what``.
+    Autograd checks the tensors it saved, not a bias that only the remaking reads."""
+    versions = tuple(-1 if p is None else p._version for p in params)
+
+    def check() -> None:
+        if tuple(-1 if p is None else p._version for p in params) != versions:
+            raise RuntimeError(
+                f"{what}'s weight or bias was modified in place between forward and "
+                "backward: its output, remade at unpack, would not be the forward's"
+            )
+
+    return check

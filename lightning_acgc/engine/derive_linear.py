@@ -28,7 +28,13 @@ from __future__ import annotations
 
 import torch
 
-from lightning_acgc.engine.derive_graph import Derivation, Origin, affine_param, placed
+from lightning_acgc.engine.derive_graph import (
+    Derivation,
+    Origin,
+    affine_param,
+    check_unchanged,
+    placed,
+)
 from lightning_acgc.engine.layout_chain import LAYOUT_NODES, layout_chain
 
 __all__ = ["LAYOUT_NODES", "LINEAR_NODES", "linear_gain", "linear_output", "made_by_linear"]
@@ -103,14 +109,10 @@ def linear_output(
     beta = float(getattr(node, "_saved_beta", 1)) if with_bias else 1.0
     view = placed(saved, base)
 
-    versions = _versions(weight, bias)
+    unchanged = check_unchanged("a Linear", weight, bias)
 
     def fn(x_hat: torch.Tensor) -> torch.Tensor:
-        if _versions(weight, bias) != versions:  # autograd does not check the bias
-            raise RuntimeError(
-                "a Linear's weight or bias was modified in place between forward and "
-                "backward: its output, remade at unpack, would not be the forward's"
-            )
+        unchanged()
         with torch.no_grad():
             if bias is None:
                 y = torch.mm(x_hat, weight.t())
@@ -123,7 +125,3 @@ def linear_output(
         return linear_gain(weight, alpha)
 
     return Derivation(fn, (found[0],), "linear", gain, product=True)
-
-
-def _versions(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int]:
-    return weight._version, -1 if bias is None else bias._version
