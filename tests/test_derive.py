@@ -263,6 +263,26 @@ def test_sensitivity_of_a_derived_output_joins_its_input_times_the_gain():
     assert s.other == pytest.approx(4 * 2.0)  # the GELU's own: mean fan-in x its ‖δ‖²
 
 
+def test_outputs_remade_from_one_input_add_their_errors_as_amplitudes():
+    """q and k remade from one LayerNorm output carry images of one rounding error: their
+    parts through δ add as (√c_q + √c_k)², the holder's own read as before."""
+    rec = _record
+    records = {
+        "ln:0": rec("ln:0", "ln", "LayerNorm", "quant"),
+        "attn:0": rec("attn:0", "attn", "Attention", derived_from="ln:0", gain=1.0),
+        "attn:1": rec("attn:1", "attn", "Attention", derived_from="ln:0", gain=4.0),
+    }
+    sens = tensor_sensitivities(records, {"ln": 1.0, "attn": 2.0}, {"fc": 4})
+    direct, q_part, k_part = 4 * 1.0, 4 * 2.0 * 1.0, 4 * 2.0 * 4.0
+    assert sens["ln:0"].other == pytest.approx(direct + (q_part**0.5 + k_part**0.5) ** 2)
+    # independent holders stay independent: k from another input
+    records["attn:1"] = rec("attn:1", "attn", "Attention", derived_from="ln2:0", gain=4.0)
+    records["ln2:0"] = rec("ln2:0", "ln2", "LayerNorm", "quant")
+    sens = tensor_sensitivities(records, {"ln": 1.0, "ln2": 1.0, "attn": 2.0}, {"fc": 4})
+    assert sens["ln:0"].other == pytest.approx(direct + q_part)
+    assert sens["ln2:0"].other == pytest.approx(direct + k_part)
+
+
 def test_derive_plan_needs_the_input_among_the_recent():
     x = torch.randn(4, 6, requires_grad=True)
     h = x * 2
