@@ -41,7 +41,7 @@ def test_plan_remakes_the_output(name):
     x = _x((4, 3, 10) if name == "conv1d" else (4, 3, 10, 10)) * 1.0
     y = conv(x)
     plan = conv_output(y, y, [Origin.of(torch.zeros(2)), Origin.of(x)])
-    assert plan is not None and plan.sources == (1,) and plan.name == "conv" and plan.product
+    assert plan is not None and plan.sources == (1,) and plan.name == "conv" and plan.multiplies
     torch.testing.assert_close(plan.fn(x.detach()), y.detach(), rtol=0, atol=0)
     assert plan.gain(None) == pytest.approx(conv_gain(conv.weight))
 

@@ -27,6 +27,7 @@ from lightning_acgc.engine.layout import compact
 from lightning_acgc.engine.ledger import Ledger, storage_ref
 from lightning_acgc.engine.meter import LOSS_HALF, CompressionStats, SiteRecord
 from lightning_acgc.engine.policy import Policy
+from lightning_acgc.engine.product_choice import ProductChoice
 from lightning_acgc.engine.recompute import Recomputing
 from lightning_acgc.engine.saved import Saved
 from lightning_acgc.engine.settings import EngineSettings
@@ -108,8 +109,7 @@ class ActivationCompressor(Recomputing):
         self._mask_codec = MaskCodec(MaskConfig())
         self._int_codec = IntPackCodec(IntPackConfig())  # integers: lossless
         self._loss_codec = HalfCodec(HalfConfig())  # the loss's log-probabilities
-        # the engine's own codecs, described without asking the policy
-        self._fixed_settings = {
+        self._fixed_settings = {  # the engine's own codecs, described without the policy
             id(self._mask_codec): "1 bit",
             id(self._int_codec): "lossless",
             id(self._loss_codec): LOSS_HALF,
@@ -123,11 +123,10 @@ class ActivationCompressor(Recomputing):
         self._small = Coalescer(self._ledger, self.stats, self._codec_failed, self.packed_log)
         self._checks = PendingChecks(self._recharge)  # encodes whose device check is out
         self._dedup: dict[tuple, tuple[Any, weakref.ReferenceType]] = {}
-        # the tensors saved last and what the engine returned for them (None: the tensor
-        # itself), oldest first: a reduction result or a derived output saved next may be
-        # made from them (engine/exact.py, engine/derive.py: a BatchNorm saves 6; a
-        # residual sum's ReLU reaches back to the block's input, 48 saves in a bottleneck)
+        # the tensors saved last and what the engine returned (None: the tensor itself),
+        # oldest first: what is saved next may be made from them (exact.py, derive.py)
         self._recent: collections.deque = collections.deque(maxlen=48)  # of Recent
+        self._products = ProductChoice()  # the products remade (recompute.py)
         self._site_hash: dict[str, int] = {}
         self._warned: set[str] = set()
         self._paused = 0
@@ -151,6 +150,7 @@ class ActivationCompressor(Recomputing):
         self._small.close("engine removed")
         self._dedup.clear()
         self._recent.clear()
+        self._products.forget()
         self._ledger.new_step()
         self._installed = False
 

@@ -98,4 +98,4 @@ def conv_output(saved: torch.Tensor, base: torch.Tensor, recent: list[Origin]) -
     def gain(x: torch.Tensor | None) -> float:
         return conv_gain(weight)
 
-    return Derivation(fn, (found[0],), "conv", gain, product=True)
+    return Derivation(fn, (found[0],), "conv", gain, multiplies=weight[0].numel())

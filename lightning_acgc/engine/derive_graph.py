@@ -55,10 +55,12 @@ class Derivation(NamedTuple):
     mask, already packed at 1 bit a value: :func:`~lightning_acgc.kernels.mask.mask_pack`'s
     layout), the engine stores it and passes it to ``fn`` and ``gain`` after the sources'
     values. The sources at positions ``stored`` must be
-    stored, not remade themselves (no chains of residual sums). A ``product`` (a Linear's
-    or a convolution's output: the op run again) is made only from sources stored or
+    stored, not remade themselves (no chains of residual sums). A product (a Linear's
+    or a convolution's output: the op run again; ``multiplies``, its multiplies per value,
+    is its fan-in, 0 for what is not a product) is made only from sources stored or
     remade from stored ones, so that no unpack runs a chain of products back to the
-    network's first stored tensor (and holds every tensor on the way at once)."""
+    network's first stored tensor (and holds every tensor on the way at once); which
+    products are remade where one blocks another: :mod:`~.product_choice`."""
 
     fn: Callable[..., torch.Tensor]
     sources: tuple[int, ...]
@@ -67,7 +69,7 @@ class Derivation(NamedTuple):
     kept: torch.Tensor | None = None
     roots: tuple[int, ...] = (0,)
     stored: tuple[int, ...] = ()
-    product: bool = False
+    multiplies: int = 0
 
 
 def placed(saved: torch.Tensor, base: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:

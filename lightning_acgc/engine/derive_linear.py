@@ -124,4 +124,4 @@ def linear_output(
     def gain(x: torch.Tensor | None) -> float:
         return linear_gain(weight, alpha)
 
-    return Derivation(fn, (found[0],), "linear", gain, product=True)
+    return Derivation(fn, (found[0],), "linear", gain, multiplies=int(weight.shape[1]))

@@ -12,6 +12,7 @@ import torch
 
 from lightning_acgc.engine import derive, exact, extremum
 from lightning_acgc.engine.meter import SiteRecord
+from lightning_acgc.engine.product_choice import ProductChoice
 from lightning_acgc.engine.saved import Saved
 from lightning_acgc.engine.sites import SiteInfo
 
@@ -37,12 +38,13 @@ class Recomputing:
     """Mixin of :class:`~lightning_acgc.engine.compressor.ActivationCompressor`; uses its
     ``policy``, ``_recent``, ``_dedup``, ``_keep`` and ``_record``. Whether the policy
     derives outputs is read at each save: the batch-size search swaps the policy for the
-    identity control for a while."""
+    identity control for a while. ``_products`` holds which products are remade."""
 
     policy: Any
     _recent: Any
     _dedup: dict[tuple, tuple[Any, weakref.ReferenceType]]
     _ledger: Any
+    _products: ProductChoice
     stats: Any
     compress_loss: bool
 
@@ -102,8 +104,8 @@ class Recomputing:
         sources = [entry.source() for entry in entries]
         if any(s is None for s in sources) or any(_remade(sources[k]) for k in plan.stored):
             return None
-        if plan.product and any(_remade_twice(s) for s in sources):
-            return None  # no chains of products run again (Derivation.product)
+        if plan.multiplies and not self._product_allowed(site.key, t, plan.multiplies, sources):
+            return None
         roots = [sources[k] for k in plan.roots]
         of = ", ".join(r.site if isinstance(r, Saved) else "its input" for r in roots)
         bits = [] if plan.kept is None else [plan.kept]  # a mask: 1 bit a value
@@ -120,10 +122,26 @@ class Recomputing:
             gains = got if isinstance(got, tuple) else (got,)
         if len(gains) != len(roots):  # first seen, or the derivation changed
             gains = (1.0,) * len(roots)
+        if plan.multiplies:
+            self._products.made(site.key, t.numel(), plan.multiplies)
         held = [(r.site, g) for r, g in zip(roots, gains, strict=True) if isinstance(r, Saved)]
         if held:
             (rec.derived_from, rec.gain), rec.also_from = held[0], tuple(held[1:])
         return saved
+
+    def _product_allowed(
+        self, key: str, t: torch.Tensor, multiplies: int, sources: list[Saved | torch.Tensor]
+    ) -> bool:
+        """Whether the product ``t`` saved by site ``key`` may be remade from ``sources``:
+        not from a tensor remade from a remade one (no chains of products run again), and
+        not where it yields to a later product (:mod:`~.product_choice`). A blocked
+        product is reported to the choice with the products that blocked it."""
+        twice = [s for s in sources if _remade_twice(s)]
+        if twice:
+            by = [r.site for s in twice for r in s.sources if _remade(r)]  # type: ignore[union-attr]
+            self._products.blocked(t.numel(), multiplies, by)
+            return False
+        return self._products.allowed(key)
 
     def _remember(self, t: torch.Tensor, held: Any) -> None:
         """Note ``t``, just saved, and what the engine returned for it (None: ``t``
