@@ -265,10 +265,12 @@ class _Recording(OffPolicy):
 def count_saved(recipe: Recipe, module: nn.Module, blocks: Sequence[str] = ()) -> int:
     """Bytes of activations kept for backward in one plain step of ``module``.
 
-    The engine's meter counts what autograd saves (nothing compressed). Under
-    checkpointing autograd saves nothing inside a checkpointed block; what the block
-    keeps instead is its inputs, which are added here (each storage once, and only if
-    the meter did not count it already).
+    The engine's meter counts what autograd saves (nothing compressed), the batch
+    aside: held by the caller all along, it costs plain training nothing (the engine
+    holds the step's inputs as the runners' steps do). Under checkpointing autograd
+    saves nothing inside a checkpointed block; what the block keeps instead is its
+    inputs, which are added here (each storage once, and only if the meter did not
+    count it already, nor is it the batch's).
     """
     policy = _Recording()
     engine = ActivationCompressor(
@@ -289,6 +291,8 @@ def count_saved(recipe: Recipe, module: nn.Module, blocks: Sequence[str] = ()) -
         handles.append(block.register_forward_pre_hook(remember, with_kwargs=True))
     engine.install()
     engine.new_step(0)
+    engine.inputs.hold(recipe.batch)
+    batch = engine.inputs.storages()
     try:
         module.zero_grad(set_to_none=True)
         with engine.scope() as stats:
@@ -299,7 +303,7 @@ def count_saved(recipe: Recipe, module: nn.Module, blocks: Sequence[str] = ()) -
         for handle in handles:
             handle.remove()
     resident = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    extra = sum(n for ptr, n in inputs.items() if ptr not in policy.storages | resident)
+    extra = sum(n for ptr, n in inputs.items() if ptr not in policy.storages | resident | batch)
     return stats.saved_bytes + extra
 
 
@@ -337,6 +341,7 @@ class Runner:
             lambda: self.recipe.loss(self.module),
             step,
             loss_halves=halves,
+            inputs=self.recipe.batch,
         )
         return self.engine.stats
 

@@ -71,7 +71,11 @@ def train_acgc(
             x, y = _to(next(batches), device)
             optimizer.zero_grad(set_to_none=True)
             loss = compressed_step(
-                engine, module, lambda x=x, y=y: F.cross_entropy(module.net(x), y.long()), step
+                engine,
+                module,
+                lambda x=x, y=y: F.cross_entropy(module.net(x), y.long()),
+                step,
+                inputs=(x, y),
             )
             metrics = policy.metrics()
             optimizer.step()

@@ -188,7 +188,9 @@ def test_callback_prints_the_full_table_on_request(tmp_path: Path) -> None:
     tables = {}
     for mode in (True, "full"):
         cb = ActivationCompression(codec="quant", bits=4, min_numel=0, print_table=mode)
-        fit(TinyCNN(batch_size=4, samples=8), [cb], max_steps=1, default_root_dir=str(tmp_path))
+        model = TinyCNN(batch_size=4, samples=8)
+        model.net.insert(6, nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.ReLU()))
+        fit(model, [cb], max_steps=1, default_root_dir=str(tmp_path))
         tables[mode] = cb.summary()
         assert cb.stats is not None and len(cb.stats.sites) > 10
     assert "smaller sites (print_table='full'" in tables[True]

@@ -32,6 +32,7 @@ from lightning_acgc.engine.recompute import Recomputing
 from lightning_acgc.engine.saved import Saved
 from lightning_acgc.engine.settings import EngineSettings
 from lightning_acgc.engine.sites import ModuleTracker, SiteInfo, is_leaf_parameter
+from lightning_acgc.engine.step_inputs import StepInputs
 
 __all__ = ["OOM_MESSAGE", "ActivationCompressor", "MemoryBudgetError"]
 
@@ -78,7 +79,8 @@ class ActivationCompressor(Recomputing):
     ``offload_exact`` (default ``False``; the batch-size search sets it on a GPU when it
     raised the batch): the exact-gradient passes of calibration steps keep their saved
     tensors in host memory, since they run uncompressed at a batch size that device
-    memory may only hold compressed.
+    memory may only hold compressed. ``inputs`` (:class:`StepInputs`): the step's batch,
+    held by the caller all along: saved as it is, counted as neither saved nor kept.
     """
 
     def __init__(
@@ -118,6 +120,7 @@ class ActivationCompressor(Recomputing):
         # (describing a config's fields took 2.5 us a save, the cache 0.15 us)
         self._described: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._resident: set[int] = set()
+        self.inputs = StepInputs()  # the step's batch (see step_inputs.py)
         self._ledger = Ledger(self.stats, self._check_budget)
         # small float tensors, encoded in chunks
         self._small = Coalescer(self._ledger, self.stats, self._codec_failed, self.packed_log)
@@ -151,6 +154,7 @@ class ActivationCompressor(Recomputing):
         self._dedup.clear()
         self._recent.clear()
         self._products.forget()
+        self.inputs.clear()
         self._ledger.new_step()
         self._installed = False
 
@@ -275,15 +279,9 @@ class ActivationCompressor(Recomputing):
         return saved
 
     def _keep(
-        self,
-        site: SiteInfo,
-        t: torch.Tensor,
-        key: tuple,
-        ref: Any,
-        raw: int,
-        why: str,
+        self, site: SiteInfo, t: torch.Tensor, key: tuple, ref: Any, raw: int, why: str,
         name: str = "kept",
-    ) -> Saved:
+    ) -> Saved:  # fmt: skip
         """Hold ``t`` as it is; its storage (``ref``) is charged once however many views
         are kept."""
         saved = Saved(None, None, site.key, name, raw=t.detach())
@@ -304,7 +302,9 @@ class ActivationCompressor(Recomputing):
             return t
         if t.requires_grad and is_leaf_parameter(t):
             return t
-        if self._resident and t.untyped_storage().data_ptr() in self._resident:
+        if (self._resident and t.untyped_storage().data_ptr() in self._resident) or (
+            self.inputs.holds(t)
+        ):
             return t
         checkpoint_input = sites.saved_by_checkpoint(caller)  # (the frame that saved t)
         site = self.tracker.next_site(checkpoint_input)

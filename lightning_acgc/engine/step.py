@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,6 +22,7 @@ def compressed_step(
     step: int,
     reduce: Reduce = no_reduce,
     loss_halves: tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]] | None = None,
+    inputs: Any = None,
 ) -> torch.Tensor:
     """Forward and backward of one step under compression; the optimizer step is yours.
 
@@ -32,6 +34,9 @@ def compressed_step(
         reduce: averages a tensor over data-parallel ranks.
         loss_halves: the loss on each half of the batch, for a policy with a noise-relative
             budget (``needs_noise_estimate``); their exact gradients are passed on.
+        inputs: the step's batch (tensors nested in lists, dicts, ...), which the caller
+            holds until the step ends: saved as it is, counted as neither saved nor kept
+            (:mod:`~lightning_acgc.engine.step_inputs`).
 
     Example:
         >>> from lightning_acgc.engine.settings import EngineSettings
@@ -48,6 +53,7 @@ def compressed_step(
     """
     cycle = CalibrationCycle(engine, reduce)
     engine.new_step(step)
+    engine.inputs.hold(inputs)
     wants_exact = cycle.begin(step)
     if loss_halves is not None:
         cycle.add_noise_estimate(model, loss_halves)

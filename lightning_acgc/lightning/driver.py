@@ -97,6 +97,7 @@ class CalibrationDriver:
         self._noise_step: int | None = None  # the step whose halves were measured
         self._warned: set[str] = set()
         self._trainer: Trainer | None = None  # of the fit started last
+        self._batch: Any = None  # the batch begun, until its training_step runs
 
     # -- the scope of training_step ------------------------------------------------
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -110,6 +111,8 @@ class CalibrationDriver:
         would step it twice: then the error is raised, saying so."""
         assert self.engine is not None
         self.engine.new_step(self.step)
+        batch, self._batch = self._batch, None
+        self.engine.inputs.hold(batch)  # held by the loop all along: saved as it is
         self.step += 1
         steps = self._optimizer_steps()
         try:
@@ -212,6 +215,7 @@ class CalibrationDriver:
         on its first batch the halves' gradients, for a noise-relative budget)."""
         if not self.active or self.cycle is None:
             return
+        self._batch = batch
         wants_exact = self.cycle.begin(trainer.global_step)
         first_batch = self._noise_step != self.cycle.step
         self._noise_step = self.cycle.step
@@ -355,6 +359,7 @@ class CalibrationDriver:
                     cycle.add_exact_gradient(pl_module, step_loss(trainer, pl_module, batch, 0))
             named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
             with offline(pl_module):
+                self._batch = batch
                 output = self.run(call_training_step, trainer, pl_module, batch, 0)
                 loss = training_loss(output)
                 if loss is None or not loss.requires_grad or not named:
