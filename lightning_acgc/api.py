@@ -32,6 +32,7 @@ def compress_activations(
     settings: EngineSettings | None = None,
     keep_packed: bool = False,
     memory_budget: int | None = None,
+    inputs: Any = None,
     **kwargs: Any,
 ) -> Iterator[CompressionStats]:
     """Compress every activation autograd saves inside the ``with`` block.
@@ -47,6 +48,9 @@ def compress_activations(
         keep_packed: keep the packed tensors in ``stats`` for inspection (tests).
         memory_budget: bytes of live saved activations allowed (see
             :class:`~lightning_acgc.engine.ActivationCompressor`).
+        inputs: the batch (tensors nested in lists, dicts, ...), which you hold until
+            backward is done: saved as it is, counted as neither saved nor kept (a packed
+            copy of a tensor alive anyway would only add memory).
         **kwargs: :class:`EngineSettings` fields, ``codec``, ``backend`` and codec options.
 
     Yields:
@@ -88,6 +92,7 @@ def compress_activations(
     )
     engine.install()
     engine.new_step(0)
+    engine.inputs.hold(inputs)
     if keep_packed:
         engine.stats.packed = engine.packed_log  # type: ignore[attr-defined]
     try:

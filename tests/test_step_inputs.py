@@ -11,6 +11,7 @@ import torch
 from _lightning_models import TinyMLP, fit
 from torch import nn
 
+from lightning_acgc import compress_activations
 from lightning_acgc.codecs.spec import CodecSpec
 from lightning_acgc.engine import ActivationCompressor, EngineSettings
 from lightning_acgc.engine.step import compressed_step
@@ -98,3 +99,10 @@ def test_a_fit_saves_its_batch_as_it_is():
     assert cb.stats is not None
     assert "net.0:0" not in cb.stats.sites  # the first Linear's input: the batch
     assert cb.stats.sites["net.2:0"].codec == "quant"
+
+
+def test_compress_activations_takes_the_batch():
+    model, x = _model(), torch.randn(64, 32)
+    with compress_activations(model=model, codec="quant", bits=2, min_numel=0, inputs=[x]) as s:
+        model(x).square().mean().backward()
+    assert "0:0" not in s.sites and s.sites["1:0"].codec == "quant"
