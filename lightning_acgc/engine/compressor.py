@@ -302,9 +302,8 @@ class ActivationCompressor(Recomputing):
             return t
         if t.requires_grad and is_leaf_parameter(t):
             return t
-        if (self._resident and t.untyped_storage().data_ptr() in self._resident) or (
-            self.inputs.holds(t)
-        ):
+        ptr = t.untyped_storage().data_ptr()  # parameters, buffers, the batch: as they are
+        if ptr in self._resident or self.inputs.holds_storage(ptr):
             return t
         checkpoint_input = sites.saved_by_checkpoint(caller)  # (the frame that saved t)
         site = self.tracker.next_site(checkpoint_input)

@@ -80,9 +80,12 @@ class StepInputs:
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t`` lies in the storage of a held tensor still alive."""
-        if not self._held:
-            return False
-        ref = self._held.get(t.untyped_storage().data_ptr())
+        return self.holds_storage(t.untyped_storage().data_ptr())
+
+    def holds_storage(self, ptr: int) -> bool:
+        """Whether the storage at address ``ptr`` is a held tensor's, still alive (the
+        engine's pack hook has the address at hand)."""
+        ref = self._held.get(ptr)
         return ref is not None and ref() is not None
 
     def storages(self) -> set[int]:
