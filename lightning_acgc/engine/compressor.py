@@ -23,8 +23,9 @@ from lightning_acgc.codecs.mask import MaskCodec, MaskConfig
 from lightning_acgc.engine import exact, sites
 from lightning_acgc.engine.checks import PendingChecks
 from lightning_acgc.engine.coalesce import Coalescer
+from lightning_acgc.engine.derive_dropout import two_valued_constant
 from lightning_acgc.engine.layout import compact
-from lightning_acgc.engine.ledger import Ledger, storage_ref
+from lightning_acgc.engine.ledger import OOM_MESSAGE, Ledger, MemoryBudgetError, storage_ref
 from lightning_acgc.engine.meter import LOSS_HALF, CompressionStats, SiteRecord
 from lightning_acgc.engine.policy import Policy
 from lightning_acgc.engine.product_choice import ProductChoice
@@ -36,15 +37,8 @@ from lightning_acgc.engine.step_inputs import StepInputs
 
 __all__ = ["OOM_MESSAGE", "ActivationCompressor", "MemoryBudgetError"]
 
-# Lightning's ``is_oom_error`` recognizes a RuntimeError with this text (CPU allocator).
-OOM_MESSAGE = "DefaultCPUAllocator: can't allocate memory"
 _MASK64 = (1 << 64) - 1
-
-
-class MemoryBudgetError(RuntimeError):
-    """Raised when a step's live saved bytes would pass ``memory_budget``. Its message
-    contains the CPU allocator's out-of-memory text so that Lightning's batch-size
-    tuner treats it as an out-of-memory error."""
+_NOTHING = torch.empty(0)  # what the unpack hook gives while only asked for the holder
 
 
 def _mix(*values: int) -> int:
@@ -324,8 +318,9 @@ class ActivationCompressor(Recomputing):
             if saved.chunk is not None:
                 saved.chunk.expect()
             return saved
-        if not t.is_floating_point() and getattr(self.policy, "control", False):
-            return self._keep(site, t, key, ref, raw, "control")  # identity: nothing compressed
+        control = getattr(self.policy, "control", False)  # the identity: nothing compressed
+        if not t.is_floating_point() and control:
+            return self._keep(site, t, key, ref, raw, "control")
         if t.grad_fn is not None and type(t.grad_fn).__name__ in exact.COMPARING_NODES:
             return self._comparing(site, t, key, ref, raw)
         derives = getattr(self.policy, "derives_elementwise", False) and not checkpoint_input
@@ -346,11 +341,13 @@ class ActivationCompressor(Recomputing):
             if small and (self.coalesce_min is None or t.numel() < self.coalesce_min):
                 return self._keep(site, t, key, ref, raw, "tiny")
             if not self.compress_loss and site.outside_every_module:
-                if small or t.dtype != torch.float32 or getattr(self.policy, "control", False):
+                if small or t.dtype != torch.float32 or control:
                     return self._keep(site, t, key, ref, raw, "loss")  # (identity: the control)
                 codec = self._loss_codec  # float16: see EngineSettings.compress_loss
             elif sites.is_norm_statistic(site.module_type, t):  # its errors compound (there)
                 return self._keep(site, t, key, ref, raw, "norm statistic")
+            elif self.compress_masks and not small and two_valued_constant(t) and not control:
+                codec = self._mask_codec  # a dropout's float mask, at 1 bit losslessly
             else:
                 codec = self.policy.codec_for(site, t)
                 if codec is None:
@@ -388,6 +385,9 @@ class ActivationCompressor(Recomputing):
         self.stats.packed_bytes += delta
 
     def _unpack(self, saved: Any) -> torch.Tensor:
+        if self._peeking is not None:  # asked which holder autograd keeps (recompute.py)
+            self._peeking.append(saved)
+            return _NOTHING
         if self._recent:  # backward has begun: nothing saved next is made from them
             self._recent.clear()
         if len(self._checks):  # backward has begun: every verdict is needed

@@ -13,8 +13,9 @@ Training-mode BatchNorm outputs, and ReLU outputs of a BatchNorm (ResNet's conv-
 with the ReLU's mask kept exactly), are remade the same way: see
 :mod:`lightning_acgc.engine.derive_batch_norm`. So are Linear outputs (an attention's q, k
 and v, a feed-forward's pre-activation) from the Linear's saved input, with the product
-made again: see :mod:`lightning_acgc.engine.derive_linear`; and a convolution's output that
-a BatchNorm saves: see :mod:`lightning_acgc.engine.derive_conv`.
+made again: see :mod:`lightning_acgc.engine.derive_linear`; a convolution's output that
+a BatchNorm saves: see :mod:`lightning_acgc.engine.derive_conv`; and a dropout's output
+from its input and its mask: see :mod:`lightning_acgc.engine.derive_dropout`.
 
 ``y``'s error is then ``f'(x)·(x̂ − x)`` (LayerNorm: ``(x̂ − x)·γ/σ``): ``x``'s rounding
 times ``f'(x)²`` in variance. :attr:`Derivation.gain` measures that factor's mean (about
@@ -45,6 +46,7 @@ from lightning_acgc.engine.derive_batch_norm import (
     relu_output,
 )
 from lightning_acgc.engine.derive_conv import CONV_NODE, conv_output
+from lightning_acgc.engine.derive_dropout import Locate, dropout_output, scaled
 from lightning_acgc.engine.derive_graph import Derivation, Origin, affine_param, find, placed
 from lightning_acgc.engine.derive_linear import (
     LAYOUT_NODES,
@@ -118,14 +120,19 @@ LAYER_NORM_NODE = "NativeLayerNormBackward0"
 DERIVABLE_NODES = frozenset({*ELEMENTWISE_NODES, LAYER_NORM_NODE, BATCH_NORM_NODE, RELU_NODE})
 
 
-def _activation(saved: torch.Tensor, base: torch.Tensor, recent: list[Origin]) -> Derivation | None:
-    node = base.grad_fn
-    if len(node.next_functions) != 1:  # type: ignore[union-attr]
+def _activation(
+    saved: torch.Tensor | None, base: torch.Tensor, recent: list[Origin], node: object = None
+) -> Derivation | None:
+    """(With ``saved`` None, ``base`` stands for a tensor alike made by ``node`` that no
+    op saved, remade contiguous: see :func:`unsaved_input`; so for :func:`_layer_norm`.)"""
+    node = node or base.grad_fn
+    if len(node.next_functions) != 1:  # type: ignore[attr-defined]
         return None
-    i = find(recent, node.next_functions[0], base)  # type: ignore[union-attr]
+    i = find(recent, node.next_functions[0], base)  # type: ignore[attr-defined]
     if i is None:
         return None
-    forward, place = ELEMENTWISE_NODES[type(node).__name__](node), placed(saved, base)
+    forward = ELEMENTWISE_NODES[type(node).__name__](node)
+    place = placed(saved, base) if saved is not None else _as_is
 
     def fn(x_hat: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -137,26 +144,31 @@ def _activation(saved: torch.Tensor, base: torch.Tensor, recent: list[Origin]) -
     return Derivation(fn, (i,), forward.__name__, gain)
 
 
-def _layer_norm(saved: torch.Tensor, base: torch.Tensor, recent: list[Origin]) -> Derivation | None:
-    node = base.grad_fn
-    edges = node.next_functions  # type: ignore[union-attr]
+def _layer_norm(
+    saved: torch.Tensor | None, base: torch.Tensor, recent: list[Origin], node: object = None
+) -> Derivation | None:
+    node = node or base.grad_fn
+    edges = node.next_functions  # type: ignore[attr-defined]
     if len(edges) != 3 or base.dtype not in (torch.float32, torch.float64):
         return None
     i = find(recent, edges[0], base)
     weight, bias = affine_param(edges[1]), affine_param(edges[2])
     if i is None or weight is False or bias is False:
         return None
-    ndim = len(node._saved_normalized_shape)  # type: ignore[union-attr]
+    ndim = len(node._saved_normalized_shape)  # type: ignore[attr-defined]
     stat_shape = (*base.shape[: base.dim() - ndim], *(1,) * ndim)
     # the statistics are saved right after the input (and the bias): mean, then 1/σ
     stats = [
         j
         for j in range(i + 1, len(recent))
-        if recent[j].node is None and recent[j].leaf is None and recent[j].shape == stat_shape
+        if recent[j].node is None
+        and recent[j].leaf is None
+        and recent[j].shape == stat_shape
+        and recent[j].dtype.is_floating_point
     ][:2]
     if len(stats) != 2 or stats[1] != stats[0] + 1:
         return None
-    place = placed(saved, base)
+    place = placed(saved, base) if saved is not None else _as_is
 
     def fn(x_hat: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -174,6 +186,27 @@ def _layer_norm(saved: torch.Tensor, base: torch.Tensor, recent: list[Origin]) -
     return Derivation(fn, (i, *stats), "layer_norm", gain)
 
 
+def _as_is(out: torch.Tensor) -> torch.Tensor:
+    return out
+
+
+def unsaved_input(
+    node: object, slot: int, like: torch.Tensor, recent: list[Origin]
+) -> Derivation | None:
+    """How to remake, contiguous, a tensor that no op saved, made by ``node`` (output
+    ``slot``) with ``like``'s shape, dtype and device: an activation's or a LayerNorm's
+    output, from their inputs in ``recent`` (a dropout's input, which the dropout does
+    not save: see :mod:`lightning_acgc.engine.derive_dropout`)."""
+    kind = type(node).__name__
+    if slot != 0 or not like.is_contiguous():
+        return None
+    if kind == LAYER_NORM_NODE:
+        return _layer_norm(None, like, recent, node)
+    if kind in ELEMENTWISE_NODES:
+        return _activation(None, like, recent, node)
+    return None
+
+
 def derived_output(saved: torch.Tensor) -> bool:
     """Whether ``saved`` (or the tensor it is a view of) is an activation's, a norm's or
     a ReLU's output that :func:`derive_plan` may remake (a cheap test, before any
@@ -185,15 +218,20 @@ def derived_output(saved: torch.Tensor) -> bool:
         return len(edges) == 1 and type(edges[0][0]).__name__ in (BATCH_NORM_NODE, ADD_NODE)
     if kind in LINEAR_NODES or kind in LAYOUT_NODES:
         return made_by_linear(base)
-    return kind in DERIVABLE_NODES or kind == CONV_NODE
+    return kind in DERIVABLE_NODES or kind == CONV_NODE or scaled(base)
 
 
-def derive_plan(saved: torch.Tensor, recent: list[Origin]) -> Derivation | None:
+def derive_plan(
+    saved: torch.Tensor, recent: list[Origin], locate: Locate | None = None
+) -> Derivation | None:
     """How to remake the saved tensor ``saved`` (an activation's, a LayerNorm's or a
     training-mode BatchNorm's output, a ReLU's output of a BatchNorm, a Linear's product
-    after view, transpose and copy steps, a convolution's output, or a view of one)
-    from tensors saved before it (``recent``, oldest first); None where it is not such an
-    output, its input is not among them, or the output is not contiguous."""
+    after view, transpose and copy steps, a convolution's output, a dropout's output, or
+    a view of one) from tensors saved before it (``recent``, oldest first); None where it
+    is not such an output, its input is not among them, or the output is not contiguous.
+    ``locate(node, attr)``: the position in ``recent`` of the holder autograd keeps for
+    ``node``'s saved ``attr``, where it gives the values back exactly (a dropout's mask;
+    None: no dropout output is remade)."""
     base = saved if saved._base is None else saved._base
     kind = type(base.grad_fn).__name__
     if kind in LINEAR_NODES or kind in LAYOUT_NODES:  # (one walk of the layout chain)
@@ -208,6 +246,10 @@ def derive_plan(saved: torch.Tensor, recent: list[Origin]) -> Derivation | None:
         return relu_output(saved, base, recent)
     if kind == CONV_NODE:
         return conv_output(saved, base, recent)
+    if scaled(base):
+        if locate is None:
+            return None
+        return dropout_output(saved, base, recent, locate, unsaved_input)
     return _activation(saved, base, recent)
 
 

@@ -22,7 +22,16 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_acgc.engine.meter import CompressionStats
 
-__all__ = ["Ledger", "storage_ref"]
+__all__ = ["OOM_MESSAGE", "Ledger", "MemoryBudgetError", "storage_ref"]
+
+# Lightning's ``is_oom_error`` recognizes a RuntimeError with this text (CPU allocator).
+OOM_MESSAGE = "DefaultCPUAllocator: can't allocate memory"
+
+
+class MemoryBudgetError(RuntimeError):
+    """Raised when a step's live saved bytes would pass ``memory_budget``. Its message
+    contains the CPU allocator's out-of-memory text so that Lightning's batch-size
+    tuner treats it as an out-of-memory error."""
 
 
 def storage_ref(t: torch.Tensor) -> StorageWeakRef:

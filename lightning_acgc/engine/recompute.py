@@ -45,6 +45,7 @@ class Recomputing:
     _dedup: dict[tuple, tuple[Any, weakref.ReferenceType]]
     _ledger: Any
     _products: ProductChoice
+    _peeking: list | None = None  # the holders handed to the unpack hook (see _locator)
     stats: Any
     compress_loss: bool
 
@@ -97,7 +98,7 @@ class Recomputing:
         if site.outside_every_module and not self.compress_loss:
             return None  # the loss's tensors: as float16 (EngineSettings.compress_loss)
         recent = [entry for entry in self._recent if entry.origin is not None]
-        plan = derive.derive_plan(t, [entry.origin for entry in recent])
+        plan = derive.derive_plan(t, [entry.origin for entry in recent], self._locator(recent))
         if plan is None:
             return None
         entries = [recent[i] for i in plan.sources]
@@ -129,6 +130,28 @@ class Recomputing:
             (rec.derived_from, rec.gain), rec.also_from = held[0], tuple(held[1:])
         return saved
 
+    def _locator(self, recent: list[Recent]) -> derive.Locate:
+        """``locate(node, attr)`` for :func:`~lightning_acgc.engine.derive.derive_plan`:
+        the position in ``recent`` of what the engine returned when autograd saved
+        ``node``'s ``attr``, where it gives the values back exactly (the tensor itself,
+        one kept as it is, or the lossless ``mask`` codec's); else None. Autograd is
+        asked which holder it keeps (the unpack hook, while ``_peeking``, only notes the
+        holder it is given), so no order of saves is assumed."""
+
+        def locate(node: object, attr: str) -> int | None:
+            self._peeking = []
+            try:
+                getattr(node, attr)
+            except RuntimeError:  # not saved (or freed)
+                return None
+            finally:
+                held, self._peeking = self._peeking, None
+            if len(held) != 1 or not _exact(held[0]):
+                return None
+            return next((i for i, e in enumerate(recent) if e.source() is held[0]), None)
+
+        return locate
+
     def _product_allowed(
         self, key: str, t: torch.Tensor, multiplies: int, sources: list[Saved | torch.Tensor]
     ) -> bool:
@@ -152,7 +175,8 @@ class Recomputing:
         ``t`` itself, to measure ``f'(t)²`` on."""
         holder = weakref.ref(held) if isinstance(held, Saved) else None
         origin = strong = None
-        if getattr(self.policy, "derives_elementwise", False) and t.is_floating_point():
+        derivable = t.is_floating_point() or t.dtype == torch.bool  # (a fused dropout's mask)
+        if derivable and getattr(self.policy, "derives_elementwise", False):
             origin = derive.Origin.of(t)
             strong = t if getattr(self.policy, "measuring", False) else None
         recent = self._recent
@@ -167,6 +191,17 @@ STRONG_WINDOW = 8
 
 def _remade(source: Saved | torch.Tensor) -> bool:
     return isinstance(source, Saved) and source.recompute is not None
+
+
+def _exact(held: object) -> bool:
+    """Whether ``held``, what the pack hook returned, unpacks to the saved values
+    exactly: the tensor itself, a tensor kept as it is (not waiting in a chunk of small
+    tensors, whose codec may round), or a lossless mask."""
+    if not isinstance(held, Saved):
+        return isinstance(held, torch.Tensor)
+    if held.recompute is not None or held.chunk is not None:
+        return False
+    return held.raw is not None or held.name == "mask"
 
 
 def _remade_twice(source: Saved | torch.Tensor) -> bool:
