@@ -213,7 +213,7 @@ def test_probes_that_do_not_fit_the_memory_budget_are_skipped() -> None:
     policy = build_policy("acgc", gradient_error=0.1, calibrate_every=2)
     x = torch.randn(4, 16, 8, generator=torch.Generator().manual_seed(1))
     engine = ActivationCompressor(
-        policy, model=model, settings=EngineSettings(min_numel=64), memory_budget=40_000
+        policy, model=model, settings=EngineSettings(min_numel=64), memory_budget=26_000
     )
     engine.install()
     policy.setup(model)
@@ -226,7 +226,7 @@ def test_probes_that_do_not_fit_the_memory_budget_are_skipped() -> None:
                 assert "probes" not in metrics, (step, metrics)
                 if "grad_error" in metrics:
                     assert metrics["grad_error"] <= 0.1, (step, metrics)
-        assert engine.stats.saved_bytes > 40_000 > engine.stats.peak_live_bytes
+        assert engine.stats.saved_bytes > 26_000 > engine.stats.peak_live_bytes
     finally:
         engine.remove()
         policy.teardown()

@@ -166,11 +166,13 @@ def test_a_tensor_with_history_is_not_a_constant():
     assert not two_valued_constant(x) and not two_valued_constant(x * 1)
 
 
-def test_acgc_remades_the_dropped_probabilities_and_keeps_its_promise():
+def test_acgc_remakes_the_dropped_probabilities_and_keeps_its_promise():
+    """(The policy's own verified error: each step draws new masks, so the helper's
+    error against one exact gradient says nothing here.)"""
     torch.manual_seed(0)
     model, x = Attention(), _inputs(2)
     torch.manual_seed(7)
-    sites, policy, error = acgc_after_calibration(model, x, e=0.1)
+    sites, policy, _ = acgc_after_calibration(model, x, e=0.1)
     dropped = [r for r in sites.values() if r.settings.startswith("dropout of")]
     assert len(dropped) == 1 and dropped[0].derived_from is not None
     assert 1.2 < dropped[0].gain < 1.45  # mean m² = 1/(1 − p) = 4/3

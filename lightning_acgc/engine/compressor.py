@@ -38,7 +38,6 @@ from lightning_acgc.engine.step_inputs import StepInputs
 __all__ = ["OOM_MESSAGE", "ActivationCompressor", "MemoryBudgetError"]
 
 _MASK64 = (1 << 64) - 1
-_NOTHING = torch.empty(0)  # what the unpack hook gives while only asked for the holder
 
 
 def _mix(*values: int) -> int:
@@ -387,7 +386,7 @@ class ActivationCompressor(Recomputing):
     def _unpack(self, saved: Any) -> torch.Tensor:
         if self._peeking is not None:  # asked which holder autograd keeps (recompute.py)
             self._peeking.append(saved)
-            return _NOTHING
+            return torch.empty(0)  # (fresh: autograd may set what it unpacks up)
         if self._recent:  # backward has begun: nothing saved next is made from them
             self._recent.clear()
         if len(self._checks):  # backward has begun: every verdict is needed

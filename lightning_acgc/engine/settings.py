@@ -25,7 +25,8 @@ class EngineSettings:
         seed: base of the per-step, per-site seeds kept with the packed data (codecs
             never draw from the global RNG).
         compress_masks: bool tensors (dropout masks) go to the lossless 1-bit ``mask``
-            codec.
+            codec, and so do floating tensors without autograd history holding two
+            values (the float mask ``F.dropout`` draws on CPU).
         strict: re-raise codec errors instead of keeping the tensor uncompressed.
         compress_loss: also compress the floating tensors saved outside every module's
             forward (the loss's: cross-entropy's log-probabilities, computed in

@@ -81,7 +81,8 @@ class ActivationCompression(Callback):
         coalesce_min_numel: floating tensors under ``min_numel`` with at least this many
             elements are encoded together in chunks (``None``: kept as they are).
         seed: base seed of the codecs' random numbers (never the global RNG).
-        compress_masks: bool tensors (dropout masks) go to the lossless ``mask`` codec.
+        compress_masks: dropout masks (bool tensors, and two-valued float tensors without
+            autograd history) go to the lossless 1-bit ``mask`` codec.
         strict: re-raise codec errors instead of keeping the tensor uncompressed.
         compress_loss: compress the loss's tensors, saved outside every module, with the
             policy's codecs (float16 by default: :class:`~lightning_acgc.engine.EngineSettings`).
