@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_acgc import compress_activations
+from lightning_acgc.codecs.mask import MaskCodec, MaskConfig
 from lightning_acgc.codecs.spec import CodecSpec
-from lightning_acgc.engine.derive_dropout import two_valued_constant
+from lightning_acgc.engine.derive_dropout import without_history
 from lightning_acgc.policies.fixed import FixedPolicy
 from tests.test_derive import Deriving, acgc_after_calibration
 
@@ -153,17 +154,43 @@ def test_the_identity_control_keeps_the_float_mask_as_it_is():
         (torch.tensor([0.0, 1.0, 2.0]), False),
         (torch.tensor([0.0, float("nan")]), False),
         (torch.tensor([float("-inf"), float("inf")]), True),
-        (torch.empty(0), False),
         (torch.tensor([0, 1, 1]), False),  # integers: the engine's integer codec
     ],
 )
-def test_two_valued_constant(values, expected):
-    assert two_valued_constant(values) is expected
+def test_the_mask_codec_takes_exactly_the_two_valued_float_tensors(values, expected):
+    """The engine offers every float tensor without history to the mask codec, which
+    decides: it declines (None) what it cannot hold exactly, and round-trips the rest."""
+    packed = MaskCodec(MaskConfig()).encode(values, 0)
+    assert (packed is not None) is expected
+    if expected:
+        assert torch.equal(MaskCodec(MaskConfig()).decode(packed), values)
 
 
-def test_a_tensor_with_history_is_not_a_constant():
+def test_a_tensor_with_history_is_not_offered_to_the_mask_codec():
     x = torch.tensor([0.0, 1.0], requires_grad=True)
-    assert not two_valued_constant(x) and not two_valued_constant(x * 1)
+    assert without_history(torch.tensor([0.0, 1.0]))
+    assert not without_history(x) and not without_history(x * 1)
+    assert not without_history(torch.tensor([0, 1]))
+
+
+def test_a_many_valued_constant_falls_through_to_the_policys_codec():
+    """A float tensor without history that is not a mask (an input normalised inside the
+    model) is declined by the mask codec and packed by the policy's codec."""
+
+    class Scales(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            c = torch.linspace(0.5, 1.5, x.numel()).view_as(x)  # no history, many values
+            return (self.fc(x) * c).sum()
+
+    torch.manual_seed(0)
+    model, x = Scales(), torch.randn(32, 64)
+    _, stats = _grads(model, x, FixedPolicy(CodecSpec("quant", {"bits": 8})))
+    codecs = sorted(r.codec for r in stats.sites.values())
+    assert "mask" not in codecs and codecs.count("quant") >= 2, codecs
 
 
 def test_acgc_remakes_the_dropped_probabilities_and_keeps_its_promise():

@@ -8,7 +8,6 @@ import gc
 import sys
 import warnings
 import weakref
-import zlib
 from collections.abc import Iterator
 from types import FrameType
 from typing import Any
@@ -23,31 +22,26 @@ from lightning_acgc.codecs.mask import MaskCodec, MaskConfig
 from lightning_acgc.engine import exact, sites
 from lightning_acgc.engine.checks import PendingChecks
 from lightning_acgc.engine.coalesce import Coalescer
-from lightning_acgc.engine.derive_dropout import two_valued_constant
+from lightning_acgc.engine.derive_dropout import without_history
 from lightning_acgc.engine.layout import compact
-from lightning_acgc.engine.ledger import OOM_MESSAGE, Ledger, MemoryBudgetError, storage_ref
+from lightning_acgc.engine.ledger import (
+    OOM_MESSAGE,
+    Ledger,
+    MemoryBudgetError,
+    check_budget,
+    storage_ref,
+)
 from lightning_acgc.engine.meter import LOSS_HALF, CompressionStats, SiteRecord
 from lightning_acgc.engine.policy import Policy
 from lightning_acgc.engine.product_choice import ProductChoice
 from lightning_acgc.engine.recompute import Recomputing
 from lightning_acgc.engine.saved import Saved
+from lightning_acgc.engine.seeds import site_seed
 from lightning_acgc.engine.settings import EngineSettings
 from lightning_acgc.engine.sites import ModuleTracker, SiteInfo, is_leaf_parameter
 from lightning_acgc.engine.step_inputs import StepInputs
 
 __all__ = ["OOM_MESSAGE", "ActivationCompressor", "MemoryBudgetError"]
-
-_MASK64 = (1 << 64) - 1
-
-
-def _mix(*values: int) -> int:
-    """splitmix64 over the values: a well-spread 63-bit seed."""
-    h = 0x9E3779B97F4A7C15
-    for v in values:
-        h = (h ^ (v & _MASK64)) * 0xBF58476D1CE4E5B9 & _MASK64
-        h = (h ^ (h >> 31)) * 0x94D049BB133111EB & _MASK64
-        h ^= h >> 29
-    return h & 0x7FFF_FFFF_FFFF_FFFF
 
 
 class ActivationCompressor(Recomputing):
@@ -196,10 +190,7 @@ class ActivationCompressor(Recomputing):
 
     # -- hooks ----------------------------------------------------------------
     def _seed_for(self, site: SiteInfo) -> int:
-        h = self._site_hash.get(site.key)
-        if h is None:
-            h = self._site_hash[site.key] = zlib.crc32(site.key.encode())
-        return _mix(self.seed, self.step, h)
+        return site_seed(self.seed, self.step, site.key, self._site_hash)
 
     def _record(
         self, site: SiteInfo, t: torch.Tensor, codec: str, settings: str, raw: int, kept: int
@@ -237,14 +228,7 @@ class ActivationCompressor(Recomputing):
         return text
 
     def _check_budget(self, nbytes: int) -> None:
-        if self.memory_budget is not None:
-            need = self.budget_base + self.stats.live_bytes + nbytes
-            if need > self.memory_budget:
-                raise MemoryBudgetError(
-                    f"{OOM_MESSAGE}: lightning_acgc memory_budget of {self.memory_budget} bytes "
-                    f"would be exceeded ({need} bytes: {self.stats.live_bytes} live saved, "
-                    f"{nbytes} new, {self.budget_base} model and optimizer)"
-                )
+        check_budget(self.memory_budget, self.budget_base, self.stats.live_bytes, nbytes)
 
     def _codec_failed(self, site: str, codec: Codec, err: Exception) -> None:
         """Re-raise ``err`` under ``strict``; else warn once per site (the tensor stays raw)."""
@@ -345,9 +329,13 @@ class ActivationCompressor(Recomputing):
                 codec = self._loss_codec  # float16: see EngineSettings.compress_loss
             elif sites.is_norm_statistic(site.module_type, t):  # its errors compound (there)
                 return self._keep(site, t, key, ref, raw, "norm statistic")
-            elif self.compress_masks and not small and two_valued_constant(t) and not control:
-                codec = self._mask_codec  # a dropout's float mask, at 1 bit losslessly
             else:
+                if self.compress_masks and not small and not control and without_history(t):
+                    # a dropout's float mask, at 1 bit losslessly; the codec declines any
+                    # tensor of more than two values, which the policy's codec takes
+                    held = self._encode(site, t, key, ref, raw, self._mask_codec, or_none=True)
+                    if held is not None:
+                        return held
                 codec = self.policy.codec_for(site, t)
                 if codec is None:
                     return self._keep(site, t, key, ref, raw, "policy")
@@ -355,6 +343,14 @@ class ActivationCompressor(Recomputing):
                     return self._keep(site, t, key, ref, raw, "raw", name="identity")
                 if small:
                     return self._join(site, t, key, ref, raw, codec)
+        return self._encode(site, t, key, ref, raw, codec)
+
+    def _encode(
+        self, site: SiteInfo, t: torch.Tensor, key: tuple, ref: Any, raw: int, codec: Codec,
+        or_none: bool = False,
+    ) -> Saved | None:  # fmt: skip
+        """``t`` packed by ``codec`` and held; where the codec declines, kept as it is (or,
+        ``or_none``, None: the caller tries another codec)."""
         part, layout = compact(t.detach())
         self._checks.poll()
         try:  # without waiting for the device where the codec can (see engine/checks.py)
@@ -362,6 +358,8 @@ class ActivationCompressor(Recomputing):
         except Exception as err:
             self._codec_failed(site.key, codec, err)
             packed = None
+        if packed is None and or_none:
+            return None
         if packed is None:
             return self._keep(site, t, key, ref, raw, f"{codec.name} declined")
         nbytes = packed.nbytes

@@ -6,7 +6,7 @@ On CPU ``F.dropout`` draws a float mask ``m`` (each value 0 or 1/(1 − p)) and 
 as well (an attention's product with the values saves the dropped probabilities, whose
 softmax saved them undropped already). On CUDA the fused dropout saves a bool mask and
 ``p`` instead. The engine packs a float tensor without autograd history that holds two
-values (:func:`two_valued_constant`) with the lossless ``mask`` codec, and stores such an
+values with the lossless ``mask`` codec (:func:`without_history`), and stores such an
 output ``y`` as nothing: at unpack it is ``x̂·m``, ``x̂`` what ``x``'s holder unpacks.
 ``m`` must come back exact (a holder that rounds it is not used), so ``y``'s error is
 ``m·(x̂ − x)``: ``x``'s rounding times ``mean(m²)`` (1/(1 − p)) in variance.
@@ -39,7 +39,7 @@ import torch
 
 from lightning_acgc.engine.derive_graph import Derivation, Origin, find, placed
 
-__all__ = ["MUL_NODE", "NATIVE_DROPOUT_NODE", "dropout_output", "scaled", "two_valued_constant"]
+__all__ = ["MUL_NODE", "NATIVE_DROPOUT_NODE", "dropout_output", "scaled", "without_history"]
 
 MUL_NODE = "MulBackward0"
 NATIVE_DROPOUT_NODE = "NativeDropoutBackward0"  # fused: saves a bool mask and p
@@ -47,20 +47,19 @@ Locate = Callable[[object, str], "int | None"]
 Unsaved = Callable[[object, int, torch.Tensor, list[Origin]], "Derivation | None"]
 
 
-def two_valued_constant(t: torch.Tensor) -> bool:
+def without_history(t: torch.Tensor) -> bool:
     """Whether ``t`` is a floating tensor without autograd history (no ``grad_fn``, no
-    gradient wanted) holding at most two distinct values, none NaN: a dropout's mask.
+    gradient wanted): what a dropout's float mask is. The engine offers such a tensor to
+    the lossless ``mask`` codec first, which takes it where it holds at most two distinct
+    values, none NaN, and declines it otherwise (one scan decides both).
 
     Example:
-        >>> two_valued_constant(torch.tensor([0.0, 2.0, 2.0])), two_valued_constant(torch.ones(3))
-        (True, True)
-        >>> two_valued_constant(torch.tensor([0.0, 1.0, 2.0]))
+        >>> without_history(torch.tensor([0.0, 2.0])), without_history(torch.tensor([0, 1]))
+        (True, False)
+        >>> without_history(torch.ones(2, requires_grad=True) * 2)
         False
     """
-    if t.grad_fn is not None or t.requires_grad or not t.is_floating_point() or not t.numel():
-        return False
-    lo, hi = torch.aminmax(t)
-    return bool(((t == lo) | (t == hi)).all())  # NaN equals neither
+    return t.grad_fn is None and not t.requires_grad and t.is_floating_point()
 
 
 def scaled(base: torch.Tensor) -> bool:

@@ -22,7 +22,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_acgc.engine.meter import CompressionStats
 
-__all__ = ["OOM_MESSAGE", "Ledger", "MemoryBudgetError", "storage_ref"]
+__all__ = ["OOM_MESSAGE", "Ledger", "MemoryBudgetError", "check_budget", "storage_ref"]
 
 # Lightning's ``is_oom_error`` recognizes a RuntimeError with this text (CPU allocator).
 OOM_MESSAGE = "DefaultCPUAllocator: can't allocate memory"
@@ -37,6 +37,27 @@ class MemoryBudgetError(RuntimeError):
 def storage_ref(t: torch.Tensor) -> StorageWeakRef:
     """A weak reference naming ``t``'s storage (equal for every view of it)."""
     return StorageWeakRef(t.untyped_storage())
+
+
+def check_budget(budget: int | None, base: int, live: int, nbytes: int) -> None:
+    """Raise :class:`MemoryBudgetError` where holding ``nbytes`` more on top of ``live``
+    saved bytes and ``base`` (model and optimizer) would pass ``budget`` (``None``: none).
+
+    Example:
+        >>> check_budget(100, 10, 50, 40)
+        >>> check_budget(None, 10, 50, 400)
+        >>> try:
+        ...     check_budget(100, 10, 50, 41)
+        ... except MemoryBudgetError as err:
+        ...     print(str(err).split("(")[1])
+        101 bytes: 50 live saved, 41 new, 10 model and optimizer)
+    """
+    need = base + live + nbytes
+    if budget is not None and need > budget:
+        raise MemoryBudgetError(
+            f"{OOM_MESSAGE}: lightning_acgc memory_budget of {budget} bytes would be exceeded "
+            f"({need} bytes: {live} live saved, {nbytes} new, {base} model and optimizer)"
+        )
 
 
 class _RawEntry:
