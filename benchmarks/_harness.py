@@ -47,6 +47,7 @@ __all__ = [
     "POLICIES",
     "SIZES",
     "WITH_CHECKPOINTING",
+    "WITH_SETTINGS",
     "Recipe",
     "Runner",
     "add_common_arguments",
@@ -88,7 +89,11 @@ POLICIES: dict[str, tuple[str, dict[str, Any]]] = {
 # A policy used together with checkpointing (its blocks as ``checkpoint``'s): what the
 # policy compresses is then what autograd still saves, each block's input among it.
 WITH_CHECKPOINTING: dict[str, str] = {"acgc_checkpoint": "acgc"}
-CONFIGS = ("plain", "checkpoint", *POLICIES, *WITH_CHECKPOINTING)
+# A policy under other engine settings (EngineSettings fields): the same codecs.
+WITH_SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "acgc_low_peak": ("acgc", {"low_peak": True}),
+}
+CONFIGS = ("plain", "checkpoint", *POLICIES, *WITH_CHECKPOINTING, *WITH_SETTINGS)
 
 # The calibrating policies calibrate on the first steps of fit (acgc and comet: 3, gact:
 # 1) and then every 100 steps: steps 0-2 calibrate, step 3 is an ordinary step.
@@ -372,9 +377,10 @@ def make_runner(config: str, recipe: Recipe, policy_options: dict | None = None)
         return Runner(config, recipe, with_checkpointing(recipe.module, blocks), blocks=blocks)
     blocks = checkpoint_blocks(recipe.name, recipe.module) if config in WITH_CHECKPOINTING else []
     module = with_checkpointing(recipe.module, blocks)
-    name, options = POLICIES[WITH_CHECKPOINTING.get(config, config)]
+    base, settings = WITH_SETTINGS.get(config, (WITH_CHECKPOINTING.get(config, config), {}))
+    name, options = POLICIES[base]
     policy = build_policy(name, **{**options, **(policy_options or {})})
-    engine = ActivationCompressor(policy, model=module)
+    engine = ActivationCompressor(policy, model=module, settings=EngineSettings(**settings))
     engine.install()
     policy.setup(module)
     return Runner(config, recipe, module, engine, blocks=blocks)

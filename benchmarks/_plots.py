@@ -39,8 +39,9 @@ LABELS = {
     "quant2": "fixed quant 2-bit",
     "quant4": "fixed quant 4-bit",
     "acgc_checkpoint": "acgc + checkpoint",
+    "acgc_low_peak": "acgc, low_peak",
 }
-MARKERS = dict(zip(LABELS, "o^sDvP*Xh", strict=False))
+MARKERS = dict(zip(LABELS, "o^sDvP*Xhd", strict=True))
 COLORS = dict(zip(LABELS, plt.get_cmap("tab10").colors, strict=False))
 TIMELINE_CONFIGS = ("plain", "checkpoint", BAR_POLICY, "quant2")
 

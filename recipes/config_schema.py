@@ -41,6 +41,7 @@ class CompressionSchema:
     compress_masks: bool = MISSING
     strict: bool = MISSING
     compress_loss: bool = MISSING
+    low_peak: bool = MISSING
     seed: int = MISSING
     print_table: bool = MISSING
     scale_batch_size: str | None = MISSING

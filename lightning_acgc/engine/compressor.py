@@ -89,6 +89,7 @@ class ActivationCompressor(Recomputing):
         self.seed = settings.seed
         self.compress_masks = settings.compress_masks
         self.compress_loss = settings.compress_loss
+        self.low_peak = settings.low_peak
         self.strict = settings.strict
         self.memory_budget = memory_budget
         self.budget_base = budget_base

@@ -48,6 +48,7 @@ class Recomputing:
     _peeking: list | None = None  # the holders handed to the unpack hook (see _locator)
     stats: Any
     compress_loss: bool
+    low_peak: bool
 
     def _keep(self, *args: Any, **kwargs: Any) -> Saved:
         raise NotImplementedError
@@ -63,6 +64,7 @@ class Recomputing:
         holder charged ``stored`` bytes (a mask among the sources; else nothing), the site
         recorded with ``settings``."""
         saved = Saved(None, None, site.key, "recomputed", sources=tuple(sources), recompute=fn)
+        saved.keep_sources = not self.low_peak
         if stored:
             self._ledger.hold_packed(saved, stored)
             self.stats.packed_bytes += stored

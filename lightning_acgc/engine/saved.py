@@ -31,8 +31,13 @@ class Saved:
     engine handed back as it is stands for itself). So does a derived output
     (:mod:`lightning_acgc.engine.derive`), whose sources may end with a stored mask (a
     ReLU's, packed bits). A recomputed tensor, like a decoded one, is kept until the last
-    of its unpacks. ``patches`` are applied to the decoded or recomputed values (an input
-    of a max reduction: its exact maxima, :mod:`lightning_acgc.engine.extremum`).
+    of its unpacks. So are the sources it decoded to make it (decoded once), unless
+    ``keep_sources`` is off (:class:`~lightning_acgc.engine.EngineSettings`'s
+    ``low_peak``): each source is then decoded again at its own unpack, and is not held
+    decoded in between (a block's input, read by a residual sum remade at the end of the
+    next block's backward, was held through the whole of its own block's). ``patches``
+    are applied to the decoded or recomputed values (an input of a max reduction: its
+    exact maxima, :mod:`lightning_acgc.engine.extremum`).
     """
 
     __slots__ = (
@@ -40,6 +45,7 @@ class Saved:
         "chunk",
         "codec",
         "decoded",
+        "keep_sources",
         "layout",
         "member",
         "name",
@@ -75,17 +81,19 @@ class Saved:
         self.member: Member | None = None
         self.sources = sources
         self.recompute = recompute
+        self.keep_sources = True  # a recomputed tensor's sources stay decoded (see above)
         self.patches: tuple[Callable[[torch.Tensor], torch.Tensor], ...] = ()
 
     def unpack(self) -> torch.Tensor:
         return self._values(consume=True)
 
-    def peek(self) -> torch.Tensor:
+    def peek(self, keep: bool = True) -> torch.Tensor:
         """The values :meth:`unpack` gives, without using up an unpack (for a result
-        recomputed from them); a decoded tensor is kept for the unpacks still to come."""
-        return self._values(consume=False)
+        recomputed from them); a decoded tensor is kept for the unpacks still to come
+        (``keep=False``: not kept, decoded again at the next unpack)."""
+        return self._values(consume=False, keep=keep)
 
-    def _values(self, consume: bool) -> torch.Tensor:
+    def _values(self, consume: bool, keep: bool = True) -> torch.Tensor:
         if self.raw is not None:
             return self.raw
         if self.chunk is not None:
@@ -95,12 +103,14 @@ class Saved:
             return self._patched(restore(flat.view(m.shape), self.layout))
         out = self.decoded  # decoded or recomputed: kept for the unpacks still to come
         if out is None and self.recompute is not None:
-            out = self.recompute(*(_peek(s) for s in self.sources))
+            out = self.recompute(*(_peek(s, self.keep_sources) for s in self.sources))
         elif out is None:
             assert self.codec is not None and self.packed is not None
             out = restore(self.codec.decode(self.packed), self.layout)
         if self.decoded is None:
             out = self._patched(out)
+            if not (consume or keep):
+                return out
         self.pending -= int(consume)
         self.decoded = out if self.pending > 0 else None
         return out
@@ -111,5 +121,5 @@ class Saved:
         return values
 
 
-def _peek(source: Saved | torch.Tensor) -> torch.Tensor:
-    return source.peek() if isinstance(source, Saved) else source
+def _peek(source: Saved | torch.Tensor, keep: bool) -> torch.Tensor:
+    return source.peek(keep) if isinstance(source, Saved) else source

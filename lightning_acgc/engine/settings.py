@@ -39,6 +39,12 @@ class EngineSettings:
             0.94 with them kept, same run otherwise). float16 rounds log p by at most
             2**-11 of itself, so p by a factor within 1 ± 2**-11·|log p|: δ = p − 1 of a
             confident class (|log p| ≈ 1 − p) by about 2**-11 of itself.
+        low_peak: a tensor remade at unpack from others (a ReLU's output from its
+            BatchNorm's input, a LayerNorm's output from its input) decodes them without
+            keeping them decoded until their own unpacks, which decode them again: a
+            lower step peak for more decoding (``benchmarks/memory.py`` and
+            ``speed.py``'s ``acgc_low_peak``). Off by default: the values are the same
+            either way.
 
     Raises:
         ValueError: a negative or non-int ``min_numel`` or ``coalesce_min_numel``, a
@@ -59,6 +65,7 @@ class EngineSettings:
     strict: bool = False
     coalesce_min_numel: int | None = 64
     compress_loss: bool = False
+    low_peak: bool = False
 
     def __post_init__(self) -> None:
         if not _count(self.min_numel):

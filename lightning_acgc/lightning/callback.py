@@ -86,6 +86,9 @@ class ActivationCompression(Callback):
         strict: re-raise codec errors instead of keeping the tensor uncompressed.
         compress_loss: compress the loss's tensors, saved outside every module, with the
             policy's codecs (float16 by default: :class:`~lightning_acgc.engine.EngineSettings`).
+        low_peak: a tensor remade at unpack from others does not keep them decoded until
+            their own unpacks (they are decoded again there): a lower step peak for more
+            decoding time (the same values; :class:`~lightning_acgc.engine.EngineSettings`).
         print_table: print the per-site table at fit end (rank zero): ``True`` the
             largest sites, why tensors stayed raw and the total; ``"full"`` every site.
         scale_batch_size: ``"power"``, ``"binsearch"``, a
@@ -149,6 +152,7 @@ class ActivationCompression(Callback):
         compress_masks: bool = True,
         strict: bool = False,
         compress_loss: bool = False,
+        low_peak: bool = False,
         print_table: bool | str = True,
         scale_batch_size: str | CompressedBatchSizeFinder | None = None,
         memory_budget: int | str | None = None,
@@ -167,7 +171,9 @@ class ActivationCompression(Callback):
         self.print_table = print_table
         self.batch_size_finder = make_finder(scale_batch_size, lr_scaling, self.enabled)
         first = (min_numel, seed, bool(compress_masks), bool(strict), coalesce_min_numel)
-        settings = EngineSettings(*first, compress_loss=bool(compress_loss))
+        settings = EngineSettings(
+            *first, compress_loss=bool(compress_loss), low_peak=bool(low_peak)
+        )
         blocks = CheckpointedModules(patterns) if patterns else None
         self._driver = CalibrationDriver(self.policy, settings, parse_memory(memory_budget), blocks)
         self._search_logged = False
