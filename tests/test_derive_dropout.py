@@ -193,6 +193,21 @@ def test_a_many_valued_constant_falls_through_to_the_policys_codec():
     assert "mask" not in codecs and codecs.count("quant") >= 2, codecs
 
 
+def test_a_mask_codec_that_fails_hands_the_mask_to_the_policys_codec(monkeypatch):
+    """Training goes on, and the warning says what happens to the tensor next."""
+
+    def fail(self, x, seed):
+        raise RuntimeError("broken kernel")
+
+    monkeypatch.setattr(MaskCodec, "encode", fail)
+    torch.manual_seed(0)
+    model, x = Attention(), _inputs()
+    with pytest.warns(UserWarning, match="mask failed at .*broken kernel.*policy's codec next"):
+        grads, stats = _grads(model, x, FixedPolicy(CodecSpec("quant", {"bits": 8})))
+    assert not any(r.codec == "mask" for r in stats.sites.values())
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
 def test_acgc_remakes_the_dropped_probabilities_and_keeps_its_promise():
     """(The policy's own verified error: each step draws new masks, so the helper's
     error against one exact gradient says nothing here.)"""

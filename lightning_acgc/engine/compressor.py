@@ -231,14 +231,15 @@ class ActivationCompressor(Recomputing):
     def _check_budget(self, nbytes: int) -> None:
         check_budget(self.memory_budget, self.budget_base, self.stats.live_bytes, nbytes)
 
-    def _codec_failed(self, site: str, codec: Codec, err: Exception) -> None:
-        """Re-raise ``err`` under ``strict``; else warn once per site (the tensor stays raw)."""
+    def _codec_failed(self, site: str, codec: Codec, err: Exception, then: str = "") -> None:
+        """Re-raise ``err`` under ``strict``; else warn once per site (``then``: what next)."""
         if self.strict:
             raise err
         if site not in self._warned:
             self._warned.add(site)
             warnings.warn(
-                f"lightning_acgc: {codec.name} failed at {site} ({err}); kept uncompressed",
+                f"lightning_acgc: {codec.name} failed at {site} ({err}); "
+                f"{then or 'kept uncompressed'}",
                 stacklevel=3,
             )
 
@@ -357,7 +358,7 @@ class ActivationCompressor(Recomputing):
         try:  # without waiting for the device where the codec can (see engine/checks.py)
             packed = getattr(codec, "encode_deferred", codec.encode)(part, self._seed_for(site))
         except Exception as err:
-            self._codec_failed(site.key, codec, err)
+            self._codec_failed(site.key, codec, err, "its policy's codec next" if or_none else "")
             packed = None
         if packed is None and or_none:
             return None
