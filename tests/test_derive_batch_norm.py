@@ -319,3 +319,41 @@ def test_torchvision_style_blocks_give_plain_gradients_with_their_sums_remade():
     # the stem's input is stored: block 4 remade; 5's input is that: stored; 6 has a
     # projection (both addends BatchNorms): remade; 7's input is 6's: stored
     assert sorted(sums) == ["4.relu:1", "6.relu:1"], sums
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(8, 5),
+        lambda: torch.randn(4, 5, 7),
+        lambda: torch.randn(2, 5, 6, 6),
+        lambda: torch.randn(2, 5, 6, 6).to(memory_format=torch.channels_last),
+        lambda: torch.randn(2, 6, 5, 6).transpose(1, 2),  # not contiguous
+        lambda: torch.randn(2, 5, 3, 4, 4),
+        lambda: torch.tensor([[1.0, float("nan")], [float("inf"), -2.0]]),
+        lambda: torch.randn(2, 5, 4, 4, dtype=torch.float64),
+        lambda: torch.randn(2, 5, 4, 4).to(torch.bfloat16),  # scale in float32: addcmul
+    ],
+    ids=["2d", "3d", "4d", "channels_last", "strided", "5d", "nan_inf", "float64", "bf16"],
+)
+def test_the_remade_normalisation_is_x_times_scale_plus_shift(make):
+    """The remade output, whichever way it is computed, is x·scale + shift per channel
+    (the BatchNorm's own scale and shift from its statistics), NaN and inf included."""
+    from lightning_acgc.engine.derive_batch_norm import _normalized, _scale_shift
+
+    torch.manual_seed(0)
+    x = make()
+    c = x.shape[1]
+    mean, rstd = torch.randn(c), torch.rand(c) + 0.5
+    weight, bias = torch.randn(c), torch.randn(c)
+    if x.dtype == torch.float64:
+        mean, rstd, weight, bias = (t.double() for t in (mean, rstd, weight, bias))
+    got = _normalized(x, mean, rstd, weight, bias)
+    scale, shift = _scale_shift(mean, rstd, weight, bias)
+    shape = (1, -1, *(1,) * (x.dim() - 2))
+    expected = x * scale.view(shape) + shift.view(shape)
+    assert got.shape == x.shape and got.dtype == expected.dtype
+    assert torch.equal(got.isnan(), expected.isnan())
+    finite = expected.isfinite()
+    assert torch.equal(got[~finite & ~expected.isnan()], expected[~finite & ~expected.isnan()])
+    torch.testing.assert_close(got[finite], expected[finite], rtol=1e-6, atol=1e-6)
