@@ -1,6 +1,6 @@
 """README's table of ``benchmarks/margin.py``: per acgc margin (``target``), its share of
-the fixed settings' ratios at their errors, its default's ratio, and how many verified
-calibrations of whole fits kept the promise."""
+the fixed settings' ratios at their errors, its default's ratio, how many verified
+calibrations of whole fits kept the promise, and how much of their bound they used."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ def _shares(rows: dict[str, Any]) -> str:
 def margin_table(result: dict[str, Any] | None) -> list[str]:
     """One row per target: per model acgc's share of fixed 2-bit's / 4-bit's / gact's
     ratio, its default's ratio per model, and over the fits the calibrations that kept
-    the global promise, the per-layer one (per recipe), and the fits' median ratios.
+    the global promise, the per-layer one (per recipe), the fits' median ratios, and
+    (where measured) the median calibration's global error and worst layer's use.
 
     Example:
         >>> row = {"ratio_share": 0.9, "within": True}
@@ -36,6 +37,9 @@ def margin_table(result: dict[str, Any] | None) -> list[str]:
         ...     "global_kept": 8, "layer_kept": 7, "kept": 7}}}}
         >>> margin_table(result)[2]
         '| 0.35 (default) | 90% | 9.5x | 8/8 | 7/8 (gnn 7/8) | gnn 8.8x |'
+        >>> result["fits"]["0.35"]["all"].update(median_global=0.33, median_layer=0.49)
+        >>> margin_table(result)[2].split(" | ")[-1]
+        '0.33e / 0.49 |'
     """
     if not result:
         return ["No results: run `python -m benchmarks.run_all --only margin`."]
@@ -49,6 +53,9 @@ def margin_table(result: dict[str, Any] | None) -> list[str]:
         "per-layer promise kept",
         "fits' median ratio",
     ]
+    banded = any("median_global" in f.get("all", {}) for f in result.get("fits", {}).values())
+    if banded:
+        header.append("median calibration: global error / worst layer's use of its bound")
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for target in result["targets"]:
         key = str(target)
@@ -71,6 +78,12 @@ def margin_table(result: dict[str, Any] | None) -> list[str]:
             ]
         else:
             cells = ["–", "–", "–"]
+        if banded:
+            cells.append(
+                f"{whole['median_global']:.2f}e / {whole['median_layer']:.2f}"
+                if whole and "median_global" in whole
+                else "–"
+            )
         label = f"{target:g}{' (default)' if target == result.get('default_target') else ''}"
         lines.append(f"| {label} | " + " | ".join([*shares, defaults or "–", *cells]) + " |")
     return lines

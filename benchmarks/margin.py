@@ -67,7 +67,8 @@ def model_rows(
 
 def fits_summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per recipe and in all: calibrations, how many kept the global promise, the
-    per-layer one and both, and the fits' median ratio.
+    per-layer one and both, the fits' median ratio, and (where the runs hold them) the
+    median calibration's global error over e and worst layer's use of its bound.
 
     Example:
         >>> run = {"recipe": "gnn", "calibrations": 6, "global_kept": 6, "layer_kept": 5,
@@ -79,6 +80,10 @@ def fits_summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for name in [*dict.fromkeys(r["recipe"] for r in runs), "all"]:
         mine = [r for r in runs if name in ("all", r["recipe"])]
         out[name] = {k: sum(r[k] for r in mine) for k in KEPT}
+        if all("global_use" in r for r in mine):  # the budget used (issue 13's band)
+            for kind in ("global", "layer"):
+                uses = [u for r in mine for u in r[f"{kind}_use"]]
+                out[name][f"median_{kind}"] = round(statistics.median(uses), 3)
         if name != "all":
             out[name]["ratio"] = round(statistics.median(r["ratio"] for r in mine), 2)
     return out

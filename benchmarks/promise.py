@@ -18,7 +18,9 @@ within e_m of that step's own ‖g_m‖ (the stricter reading: an attention key'
 Prints one JSON line: per recipe and seed the calibrations, how many kept each promise,
 the worst readings (and, per broken calibration, the module that used most of its
 bound), the final ratio and validation loss; per recipe and in all, the
-share of calibrations that kept both. ``--quick``: the char-LM and the GNN, one seed.
+share of calibrations that kept both, and how many readings landed in :data:`BAND`
+([0.5, 1] of their bound: the budget used, issue 13), with their medians.
+``--quick``: the char-LM and the GNN, one seed.
 
     python -m benchmarks.promise [--quick] [--seeds 0 1 2] [--calibrate-every 5]
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import time
 from typing import Any
 
@@ -35,12 +38,23 @@ import torch
 from hydra.utils import instantiate
 
 from benchmarks._harness import emit, machine, resolve_device
+from benchmarks._tables import BAND
 from benchmarks.sweep import QUIET, RECIPES
 
-__all__ = ["PromiseRecorder", "fit_with_acgc", "summarize"]
+__all__ = ["BAND", "PromiseRecorder", "fit_with_acgc", "in_band", "summarize"]
 
 FULL_RECIPES = {"charlm": 5, "resnet": 3, "bert": 3, "gnn": 3}  # recipe -> seeds
 QUICK_RECIPES = {"charlm": 1, "gnn": 1}
+
+
+def in_band(use: float) -> bool:
+    """Whether a reading (error over its bound) lies in :data:`BAND`.
+
+    Example:
+        >>> in_band(0.6), in_band(0.2), in_band(1.05)
+        (True, False, False)
+    """
+    return BAND[0] <= use <= BAND[1]
 
 
 class PromiseRecorder(pl.Callback):
@@ -91,6 +105,7 @@ def fit_with_acgc(
     kept_layer = [r["layer_budget_use"] <= 1 for r in readings]
     kept_step = [r["layer_step_use"] <= 1 for r in readings]  # against the step's own ‖g_m‖
     ratios = [r["grad_error"] / r["error_target"] for r in readings]
+    layer_uses = [r["layer_budget_use"] for r in readings]
     broken = [
         {
             "step": r["step"],
@@ -111,11 +126,16 @@ def fit_with_acgc(
         "layer_step_kept": sum(kept_step),
         "kept": len(readings) - len(broken),
         "worst_global": round(max(ratios, default=math.nan), 3),
-        "worst_layer": round(max((r["layer_budget_use"] for r in readings), default=math.nan), 3),
+        "worst_layer": round(max(layer_uses, default=math.nan), 3),
         "worst_module": max(readings, key=lambda r: r["layer_budget_use"])["module"]
         if readings
         else None,
         "broken_at": broken,
+        # each calibration's reading against its bound (e; the layer's e_m): the band
+        "global_use": [round(g, 3) for g in ratios],
+        "layer_use": [round(u, 3) for u in layer_uses],
+        "global_in_band": sum(in_band(g) for g in ratios),
+        "layer_in_band": sum(in_band(u) for u in layer_uses),
         "ratio": round(metrics.get("acgc/ratio", math.nan), 3),
         "val_loss": round(metrics.get("val/loss", math.nan), 4),
         "fit_seconds": round(time.perf_counter() - start, 1),
@@ -142,6 +162,11 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         }
         if all("layer_step_kept" in r for r in mine):
             out[name]["layer_step_kept"] = sum(r["layer_step_kept"] for r in mine)
+        if all("global_use" in r for r in mine):
+            for kind in ("global", "layer"):
+                uses = [u for r in mine for u in r[f"{kind}_use"]]
+                out[name][f"{kind}_in_band"] = sum(r[f"{kind}_in_band"] for r in mine)
+                out[name][f"median_{kind}"] = round(statistics.median(uses), 3) if uses else None
     return out
 
 

@@ -4,7 +4,7 @@ reads the share kept."""
 from __future__ import annotations
 
 from benchmarks._tables import bars
-from benchmarks.promise import fit_with_acgc, summarize
+from benchmarks.promise import fit_with_acgc, in_band, summarize
 from lightning_acgc.policies._schedule import is_calibration_step
 
 
@@ -21,6 +21,11 @@ def test_a_fit_counts_each_verified_calibration_once() -> None:
     assert all(b["module"] for b in run["broken_at"])
     assert run["worst_module"] in {n for n, _ in _gnn_modules()}
     assert run["ratio"] > 1
+    # every calibration's reading against its bound, and the count of those in the band
+    assert len(run["global_use"]) == len(run["layer_use"]) == run["calibrations"]
+    assert run["global_in_band"] == sum(in_band(u) for u in run["global_use"])
+    assert run["layer_in_band"] == sum(in_band(u) for u in run["layer_use"])
+    assert max(run["layer_use"]) == run["worst_layer"]
 
 
 def _gnn_modules() -> list[tuple[str, object]]:
@@ -47,3 +52,22 @@ def test_the_bar_is_met_only_at_99_percent_of_calibrations() -> None:
         run["layer_step_kept"] = step_kept
     met, short = bars({"promise": {"calibrate_every": 5, "summary": summarize(runs)}})
     assert any("each step's own ‖g_m‖ alone: 185" in line for line in short)
+
+
+def test_the_band_bar_reads_the_median_calibrations_global_error() -> None:
+    def run(recipe: str, uses: list[float], layer: list[float]) -> dict:
+        return {"recipe": recipe, "calibrations": len(uses), "kept": len(uses),
+                "worst_layer": max(layer), "global_use": uses, "layer_use": layer,
+                "global_in_band": sum(in_band(u) for u in uses),
+                "layer_in_band": sum(in_band(u) for u in layer)}  # fmt: skip
+
+    runs = [run("charlm", [0.02, 0.3, 0.35], [0.1, 0.5, 0.6]), run("gnn", [0.6], [0.7])]
+    summary = summarize(runs)
+    assert summary["all"]["median_global"] == 0.325 and summary["all"]["global_in_band"] == 1
+    assert summary["all"]["layer_in_band"] == 3 and summary["gnn"]["median_layer"] == 0.7
+    met, short = bars({"promise": {"calibrate_every": 5, "summary": summary}})
+    line = next(x for x in short if "measured error in [0.5e, e]" in x)
+    assert "global error on 1 of 4" in line and "median 0.33e" in line
+    runs[0]["global_use"] = [0.55, 0.6, 0.7]
+    met, short = bars({"promise": {"calibrate_every": 5, "summary": summarize(runs)}})
+    assert any("measured error in [0.5e, e]" in x for x in met)
