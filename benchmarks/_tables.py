@@ -375,6 +375,8 @@ def band_bar(promise: dict[str, Any]) -> tuple[bool, str]:
     def each(kind: str) -> str:
         return ", ".join(f"{r} {v[f'median_{kind}']:.2f}" for r, v in summary.items() if r != "all")
 
+    if s.get("median_global") is None:
+        return False, f"acgc's measured error in {band}: no verified calibration"
     return low <= s["median_global"] <= high, (
         f"acgc's measured error in {band} (the sweep's fits at the default e):"
         f" the global error on {s['global_in_band']} of {s['calibrations']} verified"

@@ -39,7 +39,7 @@ from benchmarks._harness import (
     setup_threads,
 )
 from benchmarks.acgc_vs_fixed import BASELINES, acgc_at_error, acgc_default, measure_setting
-from benchmarks.promise import FULL_RECIPES, QUICK_RECIPES, fit_with_acgc
+from benchmarks.promise import FULL_RECIPES, QUICK_RECIPES, band_summary, fit_with_acgc
 from lightning_acgc.policies.acgc import ACGCPolicy
 
 __all__ = ["TARGETS", "fits_summary", "model_rows"]
@@ -81,9 +81,7 @@ def fits_summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         mine = [r for r in runs if name in ("all", r["recipe"])]
         out[name] = {k: sum(r[k] for r in mine) for k in KEPT}
         if all("global_use" in r for r in mine):  # the budget used (issue 13's band)
-            for kind in ("global", "layer"):
-                uses = [u for r in mine for u in r[f"{kind}_use"]]
-                out[name][f"median_{kind}"] = round(statistics.median(uses), 3)
+            out[name].update(band_summary(mine))
         if name != "all":
             out[name]["ratio"] = round(statistics.median(r["ratio"] for r in mine), 2)
     return out

@@ -41,7 +41,7 @@ from benchmarks._harness import emit, machine, resolve_device
 from benchmarks._tables import BAND
 from benchmarks.sweep import QUIET, RECIPES
 
-__all__ = ["BAND", "PromiseRecorder", "fit_with_acgc", "in_band", "summarize"]
+__all__ = ["BAND", "PromiseRecorder", "band_summary", "fit_with_acgc", "in_band", "summarize"]
 
 FULL_RECIPES = {"charlm": 5, "resnet": 3, "bert": 3, "gnn": 3}  # recipe -> seeds
 QUICK_RECIPES = {"charlm": 1, "gnn": 1}
@@ -163,10 +163,23 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         if all("layer_step_kept" in r for r in mine):
             out[name]["layer_step_kept"] = sum(r["layer_step_kept"] for r in mine)
         if all("global_use" in r for r in mine):
-            for kind in ("global", "layer"):
-                uses = [u for r in mine for u in r[f"{kind}_use"]]
-                out[name][f"{kind}_in_band"] = sum(r[f"{kind}_in_band"] for r in mine)
-                out[name][f"median_{kind}"] = round(statistics.median(uses), 3) if uses else None
+            out[name].update(band_summary(mine))
+    return out
+
+
+def band_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Over the fits' calibrations: how many readings lie in :data:`BAND`, and the median
+    reading, of the global error over e and of the worst layer's use of its bound.
+
+    Example:
+        >>> band_summary([{"global_use": [0.02, 0.3, 0.6], "layer_use": [0.1, 0.5, 0.7]}])
+        {'global_in_band': 1, 'median_global': 0.3, 'layer_in_band': 2, 'median_layer': 0.5}
+    """
+    out: dict[str, Any] = {}
+    for kind in ("global", "layer"):
+        uses = [u for r in runs for u in r[f"{kind}_use"]]
+        out[f"{kind}_in_band"] = sum(in_band(u) for u in uses)
+        out[f"median_{kind}"] = round(statistics.median(uses), 3) if uses else None
     return out
 
 
