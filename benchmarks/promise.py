@@ -106,6 +106,10 @@ def fit_with_acgc(
     kept_step = [r["layer_step_use"] <= 1 for r in readings]  # against the step's own ‖g_m‖
     ratios = [r["grad_error"] / r["error_target"] for r in readings]
     layer_uses = [r["layer_budget_use"] for r in readings]
+    uses = {
+        "global_use": [round(g, 3) for g in ratios],
+        "layer_use": [round(u, 3) for u in layer_uses],
+    }
     broken = [
         {
             "step": r["step"],
@@ -131,11 +135,8 @@ def fit_with_acgc(
         if readings
         else None,
         "broken_at": broken,
-        # each calibration's reading against its bound (e; the layer's e_m): the band
-        "global_use": [round(g, 3) for g in ratios],
-        "layer_use": [round(u, 3) for u in layer_uses],
-        "global_in_band": sum(in_band(g) for g in ratios),
-        "layer_in_band": sum(in_band(u) for u in layer_uses),
+        **uses,  # each calibration's reading against its bound (e; the layer's e_m)
+        **band_summary([uses]),  # how many in the band, and the fit's medians
         "ratio": round(metrics.get("acgc/ratio", math.nan), 3),
         "val_loss": round(metrics.get("val/loss", math.nan), 4),
         "fit_seconds": round(time.perf_counter() - start, 1),
