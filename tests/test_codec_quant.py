@@ -175,6 +175,24 @@ def test_mask_declines_other_tensors() -> None:
 
 
 @pytest.mark.parametrize(
+    "x",
+    [
+        torch.full((37,), 2.5),  # one value
+        torch.tensor(1.25),  # 0-d
+        torch.tensor([float("-inf"), float("inf"), float("inf")] * 7),
+        torch.tensor([0.0, -0.0, 1e-45, 0.0] * 5),  # a denormal beside zeros
+        (torch.rand(9, 40) < 0.5).float().t(),  # non-contiguous
+        (torch.rand(300) < 0.5).to(torch.bfloat16) * 3,
+    ],
+    ids=["constant", "0-d", "infinities", "denormal", "transposed", "bf16"],
+)
+def test_mask_two_valued_round_trips_exactly(x: torch.Tensor) -> None:
+    packed, y = _roundtrip("mask", x)
+    assert packed.codec == "mask" and y.dtype == x.dtype and y.shape == x.shape
+    assert torch.equal(y, x)
+
+
+@pytest.mark.parametrize(
     ("options", "match"),
     [
         ({"bits": 3}, r"bits=3 .*allowed values: \[1, 2, 4, 8\]"),

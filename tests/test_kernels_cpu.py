@@ -10,8 +10,18 @@ from lightning_acgc.kernels.common import cpu_lib
 from lightning_acgc.kernels.common.dispatch import route
 from lightning_acgc.kernels.division import division_decode_ref, division_encode_ref
 from lightning_acgc.kernels.division.cpu import division_decode_cpu, division_encode_cpu
-from lightning_acgc.kernels.mask.cpu import mask_pack_cpu, mask_unpack_cpu
-from lightning_acgc.kernels.mask.reference import mask_pack_ref, mask_unpack_ref
+from lightning_acgc.kernels.mask.cpu import (
+    mask_pack_cpu,
+    mask_select_cpu,
+    mask_two_cpu,
+    mask_unpack_cpu,
+)
+from lightning_acgc.kernels.mask.reference import (
+    mask_pack_ref,
+    mask_select_ref,
+    mask_two_ref,
+    mask_unpack_ref,
+)
 from lightning_acgc.kernels.quant.cpu import quant_decode_cpu, quant_encode_cpu
 from lightning_acgc.kernels.quant.reference import (
     hash_key,
@@ -82,6 +92,35 @@ def test_mask_cpu_bit_identical(numel: int) -> None:
     assert torch.equal(packed, mask_pack_ref(m))
     assert torch.equal(mask_unpack_cpu(packed, numel), mask_unpack_ref(packed, numel))
     assert torch.equal(mask_pack_cpu(m[::2]), mask_pack_ref(m[::2]))  # non-contiguous
+
+
+def _two_valued(numel: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(numel)
+    return (torch.rand(numel, generator=g) < 0.9).float() / 0.9  # a dropout's mask
+
+
+@pytest.mark.parametrize("numel", [1, 7, 8, 9, 4096, 100003])
+def test_mask_two_cpu_bit_identical(numel: int) -> None:
+    m = _two_valued(numel)
+    lo, hi = (float(v) for v in torch.aminmax(m))
+    for view in (m, m[::2], m.reshape(-1, 1).expand(-1, 3).t()):  # and non-contiguous
+        bits, other = mask_two_cpu(view, lo, hi)
+        ref_bits, ref_other = mask_two_ref(view, lo, hi)
+        assert torch.equal(bits, ref_bits) and other == ref_other == 0
+        n = view.numel()
+        assert torch.equal(mask_select_cpu(bits, n, lo, hi), mask_select_ref(bits, n, lo, hi))
+        assert torch.equal(mask_select_cpu(bits, n, lo, hi), view.reshape(-1))
+
+
+def test_mask_two_cpu_counts_other_values() -> None:
+    m = _two_valued(1003)
+    lo, hi = (float(v) for v in torch.aminmax(m))
+    m[5], m[17], m[1000] = float("nan"), 0.5, float("inf")  # the last in the scalar tail
+    bits, other = mask_two_cpu(m, lo, hi)
+    assert other == mask_two_ref(m, lo, hi)[1] == 3
+    assert torch.equal(bits, mask_two_ref(m, lo, hi)[0])
+    zeros = torch.tensor([0.0, -0.0, 1.0] * 5)  # -0.0 == 0.0, as torch compares
+    assert mask_two_cpu(zeros, -0.0, 1.0)[1] == 0
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 13, 13), (4, 37, 50), (1000,)])

@@ -116,6 +116,22 @@ def test_portable_division_matches_reference(portable_library, shape) -> None:
         assert torch.equal(out, division_decode_ref(ref, x.shape, torch.float32, 8, 2, 256))
 
 
+def test_portable_mask_two_matches_reference(portable_library, monkeypatch) -> None:
+    import lightning_acgc.kernels.mask.cpu as mask_cpu
+    from lightning_acgc.kernels.mask.reference import mask_select_ref, mask_two_ref
+
+    monkeypatch.setattr(mask_cpu, "cpu_library", lambda: portable_library)
+    m = (_relu_tensor() > 0).float() * 1.25
+    m[11::997] = float("nan")
+    for v in (m, m[:9], m[1:1004], m[3:].reshape(-1, 2).t()):
+        bits, other = mask_cpu.mask_two_cpu(v, 0.0, 1.25)
+        ref_bits, ref_other = mask_two_ref(v, 0.0, 1.25)
+        assert torch.equal(bits, ref_bits) and other == ref_other
+        n = v.numel()
+        out = mask_cpu.mask_select_cpu(bits, n, 0.0, 1.25)
+        assert torch.equal(out, mask_select_ref(bits, n, 0.0, 1.25))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_portable_nonzero_matches_reference(portable_library, monkeypatch, dtype) -> None:
     import lightning_acgc.kernels.nonzero.cpu as nonzero_cpu

@@ -9,7 +9,7 @@ import torch
 from lightning_acgc.codecs.base import Packed
 from lightning_acgc.codecs.identity import raw_packed
 from lightning_acgc.codecs.registry import register_codec
-from lightning_acgc.kernels.mask import mask_pack, mask_unpack
+from lightning_acgc.kernels.mask import mask_pack, mask_select, mask_two_valued, mask_unpack
 
 __all__ = ["MaskCodec", "MaskConfig"]
 
@@ -47,20 +47,16 @@ class MaskCodec:
             return Packed(self.name, x.shape, x.dtype, {"bits": bits})
         if not x.is_floating_point() or x.is_complex():
             return None
-        lo, hi = torch.aminmax(x)
-        is_hi = x == hi
-        if not bool((is_hi | (x == lo)).all()):  # NaN fails both tests
+        two = mask_two_valued(x, self.backend)  # None: more than two values, or a NaN
+        if two is None:
             return None
-        values = torch.stack([lo, hi]).to(x.dtype)
-        bits = mask_pack(is_hi, self.backend)
+        bits, values = two
         return Packed(self.name, x.shape, x.dtype, {"bits": bits, "values": values})
 
     def decode(self, packed: Packed) -> torch.Tensor:
         if packed.codec == "identity":  # empty tensors are kept raw
             return packed.payload["raw"]
-        flags = mask_unpack(packed.payload["bits"], packed.shape.numel(), self.backend)
-        flags = flags.view(packed.shape)
+        bits, numel = packed.payload["bits"], packed.shape.numel()
         if packed.dtype == torch.bool:
-            return flags
-        values = packed.payload["values"]
-        return torch.where(flags, values[1], values[0])
+            return mask_unpack(bits, numel, self.backend).view(packed.shape)
+        return mask_select(bits, numel, packed.payload["values"], self.backend).view(packed.shape)

@@ -51,6 +51,8 @@ _SIGNATURES = {
     "acgc_mask_pack": (None, [_P, _I64, _P, _I32]),
     "acgc_mask_unpack": (None, [_P, _I64, _P, _I32]),
     "acgc_mask_positive_f32": (None, [_P, _I64, _P, _I32]),
+    "acgc_mask_two_f32": (_I64, [_P, _I64, _F32, _F32, _P, _I32]),
+    "acgc_mask_select_f32": (None, [_P, _I64, _F32, _F32, _P, _I32]),
     "acgc_mask_affine_f32": (None, [_P, _I64, _I64, _I64, _P, _P, _P, _P, _F32, _P, _I32]),
     "acgc_has_f16": (_I32, []),
     "acgc_bounded_pack": (

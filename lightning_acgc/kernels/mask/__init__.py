@@ -11,12 +11,16 @@ from lightning_acgc.kernels.mask.cpu import (
     mask_affine_cpu,
     mask_pack_cpu,
     mask_positive_cpu,
+    mask_select_cpu,
+    mask_two_cpu,
     mask_unpack_cpu,
 )
 from lightning_acgc.kernels.mask.reference import (
     mask_affine_ref,
     mask_pack_ref,
     mask_positive_ref,
+    mask_select_ref,
+    mask_two_ref,
     mask_unpack_ref,
 )
 
@@ -27,6 +31,10 @@ __all__ = [
     "mask_pack_ref",
     "mask_positive",
     "mask_positive_ref",
+    "mask_select",
+    "mask_select_ref",
+    "mask_two_ref",
+    "mask_two_valued",
     "mask_unpack",
     "mask_unpack_ref",
 ]
@@ -70,6 +78,51 @@ def mask_unpack(packed: torch.Tensor, numel: int, backend: str = "auto") -> torc
     """
     fn = route(packed, backend, mask_unpack_ref, f"{_TRITON}:mask_unpack_triton", mask_unpack_cpu)
     return fn(packed, numel)
+
+
+def mask_two_valued(
+    x: torch.Tensor, backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Where the floating tensor ``x`` holds at most two distinct values, none NaN (a
+    dropout's float mask): the packed bits of ``x == max`` (:func:`mask_pack`'s layout)
+    and the values ``[min, max]`` in ``x``'s dtype; None otherwise. A float32 CPU
+    tensor takes one compiled pass after its min and max; elsewhere torch ops and
+    :func:`mask_pack`.
+
+    Example:
+        >>> bits, values = mask_two_valued(torch.tensor([0.0, 2.0, 2.0]))
+        >>> bits.tolist(), values.tolist()
+        ([6], [0.0, 2.0])
+        >>> mask_two_valued(torch.tensor([0.0, 1.0, 2.0])) is None
+        True
+    """
+    lo, hi = torch.aminmax(x)
+    values = torch.stack([lo, hi])
+    compiled = x.dtype == torch.float32
+    if compiled and route(x, backend, mask_two_ref, None, mask_two_cpu) is mask_two_cpu:
+        bits, other = mask_two_cpu(x, float(lo), float(hi))
+        return None if other else (bits, values)
+    is_hi = x == hi
+    if not bool((is_hi | (x == lo)).all()):  # NaN fails both tests
+        return None
+    return mask_pack(is_hi, backend), values
+
+
+def mask_select(
+    packed: torch.Tensor, numel: int, values: torch.Tensor, backend: str = "auto"
+) -> torch.Tensor:
+    """The inverse of :func:`mask_two_valued`: a flat tensor of ``numel`` values,
+    ``values[1]`` where the bit is set, else ``values[0]`` (one compiled pass for
+    float32 on the CPU).
+
+    Example:
+        >>> mask_select(torch.tensor([6], dtype=torch.uint8), 3, torch.tensor([0.0, 2.0])).tolist()
+        [0.0, 2.0, 2.0]
+    """
+    fn = route(packed, backend, mask_select_ref, None, mask_select_cpu)
+    if values.dtype == torch.float32 and fn is mask_select_cpu:
+        return mask_select_cpu(packed, numel, float(values[0]), float(values[1]))
+    return torch.where(mask_unpack(packed, numel, backend), values[1], values[0])
 
 
 def mask_affine(

@@ -7,7 +7,14 @@ import torch
 
 from lightning_acgc.kernels.common.cpu_lib import cpu_library, cpu_threads
 
-__all__ = ["mask_affine_cpu", "mask_pack_cpu", "mask_positive_cpu", "mask_unpack_cpu"]
+__all__ = [
+    "mask_affine_cpu",
+    "mask_pack_cpu",
+    "mask_positive_cpu",
+    "mask_select_cpu",
+    "mask_two_cpu",
+    "mask_unpack_cpu",
+]
 
 
 def mask_pack_cpu(mask: torch.Tensor) -> torch.Tensor:
@@ -26,6 +33,30 @@ def mask_positive_cpu(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(-(-x.numel() // 8), dtype=torch.uint8)
     if x.numel():
         cpu_library().acgc_mask_positive_f32(x.data_ptr(), x.numel(), out.data_ptr(), cpu_threads())
+    return out
+
+
+def mask_two_cpu(x: torch.Tensor, lo: float, hi: float) -> tuple[torch.Tensor, int]:
+    """:func:`~lightning_acgc.kernels.mask.reference.mask_two_ref` of a float32 CPU
+    tensor in one pass (bit-identical)."""
+    x = x.contiguous().reshape(-1)
+    out = torch.empty(-(-x.numel() // 8), dtype=torch.uint8)
+    if not x.numel():
+        return out, 0
+    lib = cpu_library()
+    other = lib.acgc_mask_two_f32(x.data_ptr(), x.numel(), lo, hi, out.data_ptr(), cpu_threads())
+    return out, int(other)
+
+
+def mask_select_cpu(packed: torch.Tensor, numel: int, lo: float, hi: float) -> torch.Tensor:
+    """:func:`~lightning_acgc.kernels.mask.reference.mask_select_ref` in one pass."""
+    if packed.numel() * 8 < numel:
+        raise ValueError(f"numel={numel} does not fit in {packed.numel()} packed bytes")
+    packed = packed.contiguous()
+    out = torch.empty(numel, dtype=torch.float32)
+    if numel:
+        lib = cpu_library()
+        lib.acgc_mask_select_f32(packed.data_ptr(), numel, lo, hi, out.data_ptr(), cpu_threads())
     return out
 
 

@@ -10,7 +10,14 @@ import torch
 
 from lightning_acgc.kernels.common.bitpack import pack_codes, unpack_codes
 
-__all__ = ["mask_affine_ref", "mask_pack_ref", "mask_positive_ref", "mask_unpack_ref"]
+__all__ = [
+    "mask_affine_ref",
+    "mask_pack_ref",
+    "mask_positive_ref",
+    "mask_select_ref",
+    "mask_two_ref",
+    "mask_unpack_ref",
+]
 
 
 def mask_pack_ref(mask: torch.Tensor) -> torch.Tensor:
@@ -31,6 +38,21 @@ def mask_positive_ref(x: torch.Tensor) -> torch.Tensor:
 def mask_unpack_ref(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """Flat bool tensor of the first ``numel`` bits."""
     return unpack_codes(packed, 1, numel).view(torch.bool)
+
+
+def mask_two_ref(x: torch.Tensor, lo: float, hi: float) -> tuple[torch.Tensor, int]:
+    """A two-valued tensor's bits, :func:`mask_pack_ref` of ``x == hi``, and how many of
+    its values equal neither ``lo`` nor ``hi`` (NaN equals neither)."""
+    is_hi = x == hi
+    other = int((~(is_hi | (x == lo))).sum())
+    return mask_pack_ref(is_hi), other
+
+
+def mask_select_ref(packed: torch.Tensor, numel: int, lo: float, hi: float) -> torch.Tensor:
+    """The inverse of :func:`mask_two_ref`: a flat float32 tensor, ``hi`` where bit ``i``
+    is set, else ``lo``."""
+    flags = mask_unpack_ref(packed, numel)
+    return torch.where(flags, torch.tensor(hi), torch.tensor(lo))
 
 
 def mask_affine_ref(

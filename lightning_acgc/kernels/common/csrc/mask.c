@@ -1,4 +1,4 @@
-/* mask: 0/1 bytes as bits and back. */
+/* mask: 0/1 bytes, and two-valued float32 tensors, as bits and back. */
 #include "fastcpu.h"
 
 /* 1-bit packing of n bytes holding 0/1: bit i % 8 of byte i / 8 is element i (tail 0). */
@@ -40,6 +40,60 @@ void acgc_mask_positive_f32(const float *x, int64_t n, uint8_t *out, int nthread
         for (int64_t i = 8 * full; i < n; i++) byte |= (uint8_t)(!(x[i] <= 0.0f) << (i - 8 * full));
         out[full] = byte;
     }
+}
+
+/* A two-valued float32 x (a dropout's float mask) in one pass: bit i set where x[i] == hi,
+ * packed as acgc_mask_pack packs bytes; returns how many values equal neither lo nor hi
+ * (a NaN equals neither), 0 where x holds only lo and hi. */
+int64_t acgc_mask_two_f32(const float *x, int64_t n, float lo, float hi, uint8_t *out,
+                          int nthreads) {
+    int64_t nbytes = (n + 7) / 8, full = n / 8, other = 0;
+#pragma omp parallel for schedule(static) reduction(+ : other) num_threads(THREADS(n))
+    for (int64_t b = 0; b < full; b++) {
+        const float *p = x + 8 * b;
+#if defined(__AVX2__) || defined(__AVX512F__)
+        __m256 v = _mm256_loadu_ps(p);
+        int h = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(hi), _CMP_EQ_OQ));
+        int l = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(lo), _CMP_EQ_OQ));
+        out[b] = (uint8_t)h;
+        other += __builtin_popcount(~(h | l) & 0xFF);
+#else
+        uint8_t byte = 0;
+        for (int k = 0; k < 8; k++) {
+            byte |= (uint8_t)((p[k] == hi) << k);
+            other += !(p[k] == hi || p[k] == lo);
+        }
+        out[b] = byte;
+#endif
+    }
+    if (full < nbytes) {
+        uint8_t byte = 0;
+        for (int64_t i = 8 * full; i < n; i++) {
+            byte |= (uint8_t)((x[i] == hi) << (i - 8 * full));
+            other += !(x[i] == hi || x[i] == lo);
+        }
+        out[full] = byte;
+    }
+    return other;
+}
+
+/* The inverse of acgc_mask_two_f32: out[i] = hi where bit i of packed is set, else lo. */
+void acgc_mask_select_f32(const uint8_t *packed, int64_t n, float lo, float hi, float *out,
+                          int nthreads) {
+    int64_t full = n / 8;
+#pragma omp parallel for schedule(static) num_threads(THREADS(n))
+    for (int64_t b = 0; b < full; b++) {
+#if defined(__AVX2__) || defined(__AVX512F__)
+        const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+        __m256i bits = _mm256_and_si256(_mm256_set1_epi32(packed[b]), lane);
+        __m256 keep = _mm256_castsi256_ps(_mm256_cmpeq_epi32(bits, lane));
+        _mm256_storeu_ps(out + 8 * b,
+                         _mm256_blendv_ps(_mm256_set1_ps(lo), _mm256_set1_ps(hi), keep));
+#else
+        for (int k = 0; k < 8; k++) out[8 * b + k] = (packed[b] >> k) & 1 ? hi : lo;
+#endif
+    }
+    for (int64_t i = 8 * full; i < n; i++) out[i] = (packed[i >> 3] >> (i & 7)) & 1 ? hi : lo;
 }
 
 void acgc_mask_unpack(const uint8_t *packed, int64_t n, uint8_t *out, int nthreads) {
