@@ -116,6 +116,16 @@ def test_portable_division_matches_reference(portable_library, shape) -> None:
         assert torch.equal(out, division_decode_ref(ref, x.shape, torch.float32, 8, 2, 256))
 
 
+def test_portable_squared_sum_matches_torch(portable_library, monkeypatch) -> None:
+    import lightning_acgc.kernels.common.sums as sums
+
+    monkeypatch.setattr(sums, "cpu_library", lambda: portable_library)
+    x = _relu_tensor()
+    y = x.flip(0)
+    for v, w in ((x, None), (x, y), (x[:9], y[:9]), (x[3:].reshape(-1, 2).t(), None)):
+        assert sums.squared_sum(v, w) == pytest.approx(sums.squared_sum_ref(v, w), rel=1e-12)
+
+
 def test_portable_mask_two_matches_reference(portable_library, monkeypatch) -> None:
     import lightning_acgc.kernels.mask.cpu as mask_cpu
     from lightning_acgc.kernels.mask.reference import mask_select_ref, mask_two_ref

@@ -91,6 +91,7 @@ _SIGNATURES = {
     "acgc_bounded_unpack": (None, [_P, _I64, _I64, _P, _P, _P, _P, _F32, _I32, _P, _I32]),
     "acgc_channel_normalize": (None, [_P, _I64, _I64, _I64, _F32, _P, _P, _P, _P, _P, _P, _I32]),
     "acgc_sr_variance": (None, [_P, _I64, _I64, _P, _P, _P, _P, _P, _I32]),
+    "acgc_squared_sum_f32": (_F64, [_P, _P, _I64, _I32]),
     "acgc_nonzero_split": (_I64, [_P, _I64, _I32, _P, _P, _I32]),
     "acgc_nonzero_merge": (_I64, [_P, _P, _I64, _I64, _I32, _P, _I32]),
 }
