@@ -191,10 +191,8 @@ def test_probes_run_on_calibration_steps_and_leave_no_trace() -> None:
             metrics = policy.metrics()
             assert torch.equal(loss, plain)
             assert sum(r.raw_bytes for r in engine.stats.sites.values()) == engine.stats.saved_bytes
-            if step in (1, 4):  # every kind first, then every second calibration one
+            if step in (1, 2):
                 assert metrics["probes"] >= 1, (step, metrics)
-            elif step == 2:
-                assert "probes" not in metrics, metrics
             if "grad_error" in metrics:
                 assert metrics["grad_error"] <= 0.1, (step, metrics)
     finally:
@@ -205,7 +203,6 @@ def test_probes_run_on_calibration_steps_and_leave_no_trace() -> None:
     fresh = ACGCPolicy(gradient_error=0.1)
     fresh.load_state_dict(state)
     assert fresh.probe_ratios(next(iter(state["probe_readings"]))) is not None
-    assert fresh._refresh_wait == policy._refresh_wait == state["refresh_wait"] == 0
 
 
 def test_probes_that_do_not_fit_the_memory_budget_are_skipped() -> None:
@@ -260,18 +257,16 @@ class _AttentionModule(LightningModule):
 
 def test_lightning_runs_the_probes_as_calibration_calls() -> None:
     """Through the callback: the warm-up's second calibration probes every kind of
-    guessed tensor (at most ``max_probes``), then every second calibration re-probes one;
-    each probe is one more flagged call."""
+    guessed tensor (at most ``max_probes``), the third re-probes one; each probe is one
+    more flagged call."""
     model = _AttentionModule()
-    cb = ActivationCompression("acgc", calibrate_every=2, min_numel=64, print_table=False)
-    fit(model, [cb], max_steps=9, max_epochs=-1)
+    cb = ActivationCompression("acgc", calibrate_every=100, min_numel=64, print_table=False)
+    fit(model, [cb], max_steps=4, max_epochs=-1)
     classes = len(cb.policy._probed_at)
     assert 0 < classes <= cb.policy.max_probes  # all probed at step 1
-    assert model.calls.count(False) == 9
-    # the exact passes of the calibrations at steps 0, 1, 2, 4, 6 and 8; step 1 probes
-    # every kind, steps 4 and 8 the oldest again (2 and 6 wait)
-    assert cb.policy.probe_refresh_every == 2
-    assert model.calls.count(True) == 6 + classes + 2 * cb.policy.probe_refresh
+    assert model.calls.count(False) == 4
+    # the exact passes of steps 0-2; step 1 probes every kind, step 2 the oldest again
+    assert model.calls.count(True) == 3 + classes + cb.policy.probe_refresh
     assert "acgc_calibrating" not in model.__dict__
 
 

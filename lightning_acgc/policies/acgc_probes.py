@@ -42,10 +42,7 @@ heuristic factor, which follows ‖δ‖² from calibration to calibration. Only
 modelled error is mostly the heuristic part are probed. Each calibration probes up to
 ``max_probes`` classes not probed yet, the most bytes first (BERT-base: 15 classes, so
 the warm-up's second and third calibrations take 8 and 7 more passes, a one-time cost);
-once all are, every ``probe_refresh_every``-th calibration (2) re-probes
-``probe_refresh`` class, the oldest reading first (one re-probe a calibration made a
-BERT-base calibration 3x its step: a probe is a compressed pass and a table of the
-model's gradient differences, against the exact pass it costs as much again). A probed
+once all are, it re-probes ``probe_refresh`` class, the oldest reading first. A probed
 tensor keeps at least ``PROBE_WIDTH`` bits: below it the reading says nothing (at 1 bit
 a ReLU output loses its exact zeros, its backward's mask).
 """
@@ -93,8 +90,7 @@ class SensitivityProbes:
     ``_saturating``, ``_calibrating``, ``_exact``, ``_sens``, ``_variances``,
     ``_metrics``, ``_calib_s``, ``_lap``, ``settle`` and ``quant_codec``."""
 
-    probe_refresh = 1  # classes re-probed per re-probing calibration
-    probe_refresh_every = 2  # calibrations from one re-probe to the next
+    probe_refresh = 1  # classes re-probed per calibration once all have a reading
     # classes first probed per calibration (the largest first; ``probes=``, 0: off)
     max_probes = 8
     probe_scope = "saturating"  # which classes (``probe_scope=``): see PROBE_SCOPES
@@ -107,7 +103,6 @@ class SensitivityProbes:
         self._probe_readings: dict[str, deque[dict[str, float]]] = {}
         self._probed_at: dict[str, int] = {}  # class -> calibration count of its last probe
         self._probe_count = 0  # calibrations that probed
-        self._refresh_wait = 0  # calibrations since the last re-probe, once all are probed
 
     def set_probes(self, probes: int | None, scope: str | None) -> None:
         """The ``probes`` and ``probe_scope`` options (None: the class's defaults).
@@ -140,21 +135,18 @@ class SensitivityProbes:
 
     def probe_classes(self, step: int) -> list[str]:
         """The classes to probe on ``step`` (after its exact gradient): up to
-        ``max_probes`` not yet probed (the most bytes first), else, every
-        ``probe_refresh_every``-th calibration, the ``probe_refresh`` probed longest ago;
-        none off calibration."""
+        ``max_probes`` not yet probed (the most bytes first), else the ``probe_refresh``
+        probed longest ago; none off calibration."""
         if not (self.max_probes and self.codec == "quant" and self.verify and self._calibrating):
             return []
         if self._exact is None or not self._sens:
             return []
         candidates = self._probe_candidates()
         fresh = sorted((c for c in candidates if c not in self._probed_at), key=candidates.get)
-        chosen = fresh[::-1][: self.max_probes]
-        if not chosen and candidates:
-            self._refresh_wait += 1
-            if self._refresh_wait >= self.probe_refresh_every:
-                self._refresh_wait = 0
-                chosen = sorted(candidates, key=self._probed_at.__getitem__)[: self.probe_refresh]
+        chosen = (
+            fresh[::-1][: self.max_probes]
+            or sorted(candidates, key=self._probed_at.__getitem__)[: self.probe_refresh]
+        )
         self._probe_count += bool(chosen)
         return chosen
 

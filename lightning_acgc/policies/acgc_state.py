@@ -66,7 +66,6 @@ class ACGCState:
             "probe_readings": {k: list(v) for k, v in self._probe_readings.items()},
             "probed_at": dict(self._probed_at),
             "probe_count": self._probe_count,
-            "refresh_wait": self._refresh_wait,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -120,7 +119,6 @@ class ACGCState:
         }
         self._probed_at = {c: int(n) for c, n in state.get("probed_at", {}).items()}
         self._probe_count = int(state.get("probe_count", 0))
-        self._refresh_wait = int(state.get("refresh_wait", 0))
         self._modules = None  # the state of the model being resumed, whichever was set up
 
     def site_settings(self) -> dict[str, str]:
