@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "threads": args.threads,
         "rounds": args.rounds,
         "step": "zero_grad + forward + backward, median over interleaved rounds",
+        "calibrate_every": CALIBRATE_EVERY,
         "policies": {k: {"policy": p, **o} for k, (p, o) in POLICIES.items()},
         "models": models,
     }

@@ -59,3 +59,16 @@ def test_acgc_with_checkpointing_is_held_against_checkpointing_alone() -> None:
     for kept, err in ((30.0, 0.02), (9.7, 0.08)):
         met, short = bars({"speed": _speed(times), "memory": memory(kept, err)})
         assert any("acgc with checkpointing" in s for s in short)
+
+
+def test_fit_time_bar_reads_the_amortized_calibration_at_full_size_only() -> None:
+    speed = _speed({"plain": 1.0, "checkpoint": 1.34, "acgc": 1.2, "quant2": 1.08})
+    speed["models"]["resnet18"]["configs"]["acgc"]["amortized_vs_plain"] = 1.33
+    met, short = bars({"speed": speed})
+    assert not any("fit time" in line for line in met + short)  # not a full-size run
+    speed["mode"] = "full"
+    met, short = bars({"speed": speed})
+    assert any("fit time of resnet18 with acgc" in line and "1.33x" in line for line in short)
+    speed["models"]["resnet18"]["configs"]["acgc"]["amortized_vs_plain"] = 1.29
+    met, short = bars({"speed": speed})
+    assert any("fit time of resnet18 with acgc" in line and "1.29x" in line for line in met)
