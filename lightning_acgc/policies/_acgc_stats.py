@@ -8,19 +8,7 @@ from torch import nn
 from lightning_acgc.kernels.common.sums import squared_sum
 from lightning_acgc.policies.base import Reduce
 
-__all__ = ["module_norms", "per_module_sq", "per_module_sq_diff", "reduce_tables", "squared_norm"]
-
-
-def squared_norm(t: torch.Tensor) -> float:
-    """‖t‖², accumulated in float64 without a float64 copy of ``t`` (the copies and their
-    squares took a quarter of a BERT-base calibration step; a float32 accumulation of
-    30M values was 0.3% off): :func:`~lightning_acgc.kernels.common.sums.squared_sum`.
-
-    Example:
-        >>> squared_norm(torch.tensor([3.0, 4.0]))
-        25.0
-    """
-    return squared_sum(t)
+__all__ = ["module_norms", "per_module_sq", "per_module_sq_diff", "reduce_tables"]
 
 
 def per_module_sq(grads: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -28,7 +16,7 @@ def per_module_sq(grads: dict[str, torch.Tensor]) -> dict[str, float]:
     out: dict[str, float] = {}
     for name, g in grads.items():
         module = name.rpartition(".")[0]
-        out[module] = out.get(module, 0.0) + squared_norm(g)
+        out[module] = out.get(module, 0.0) + squared_sum(g)
     return out
 
 
@@ -94,10 +82,10 @@ def module_norms(
         got = p.grad.detach()
         ref = exact.get(name) if exact is not None else None
         if ref is None:
-            g_sq[module] += squared_norm(got)
+            g_sq[module] += squared_sum(got)
             continue
         if exact_sq is None:
-            g_sq[module] += squared_norm(ref)
+            g_sq[module] += squared_sum(ref)
         compared.add(module)
         err_sq[module] += squared_sum(got, ref)  # as per_module_sq_diff
     for module in compared if exact_sq is not None else ():
