@@ -92,6 +92,7 @@ WITH_CHECKPOINTING: dict[str, str] = {"acgc_checkpoint": "acgc"}
 # A policy under other engine settings (EngineSettings fields): the same codecs.
 WITH_SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {
     "acgc_low_peak": ("acgc", {"low_peak": True}),
+    "acgc_stored_products": ("acgc", {"remake_products": False}),
 }
 CONFIGS = ("plain", "checkpoint", *POLICIES, *WITH_CHECKPOINTING, *WITH_SETTINGS)
 

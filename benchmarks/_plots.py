@@ -40,8 +40,9 @@ LABELS = {
     "quant4": "fixed quant 4-bit",
     "acgc_checkpoint": "acgc + checkpoint",
     "acgc_low_peak": "acgc, low_peak",
+    "acgc_stored_products": "acgc, products stored",
 }
-MARKERS = dict(zip(LABELS, "o^sDvP*Xhd", strict=True))
+MARKERS = dict(zip(LABELS, "o^sDvP*Xhdp", strict=True))
 COLORS = dict(zip(LABELS, plt.get_cmap("tab10").colors, strict=False))
 TIMELINE_CONFIGS = ("plain", "checkpoint", BAR_POLICY, "quant2")
 

@@ -42,6 +42,7 @@ class CompressionSchema:
     strict: bool = MISSING
     compress_loss: bool = MISSING
     low_peak: bool = MISSING
+    remake_products: bool = MISSING
     seed: int = MISSING
     print_table: bool = MISSING
     scale_batch_size: str | None = MISSING

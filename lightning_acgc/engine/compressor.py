@@ -90,6 +90,7 @@ class ActivationCompressor(Recomputing):
         self.compress_masks = settings.compress_masks
         self.compress_loss = settings.compress_loss
         self.low_peak = settings.low_peak
+        self.remake_products = settings.remake_products
         self.strict = settings.strict
         self.memory_budget = memory_budget
         self.budget_base = budget_base

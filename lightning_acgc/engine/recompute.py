@@ -49,6 +49,7 @@ class Recomputing:
     stats: Any
     compress_loss: bool
     low_peak: bool
+    remake_products: bool = True
 
     def _keep(self, *args: Any, **kwargs: Any) -> Saved:
         raise NotImplementedError
@@ -159,8 +160,11 @@ class Recomputing:
     ) -> bool:
         """Whether the product ``t`` saved by site ``key`` may be remade from ``sources``:
         not from a tensor remade from a remade one (no chains of products run again), and
-        not where it yields to a later product (:mod:`~.product_choice`). A blocked
-        product is reported to the choice with the products that blocked it."""
+        not where it yields to a later product (:mod:`~.product_choice`), never with
+        ``EngineSettings.remake_products`` off. A blocked product is reported to the
+        choice with the products that blocked it."""
+        if not self.remake_products:
+            return False
         twice = [s for s in sources if _remade_twice(s)]
         if twice:
             by = [r.site for s in twice for r in s.sources if _remade(r)]  # type: ignore[union-attr]

@@ -45,6 +45,13 @@ class EngineSettings:
             lower step peak for more decoding (``benchmarks/memory.py`` and
             ``speed.py``'s ``acgc_low_peak``). Off by default: the values are the same
             either way.
+        remake_products: where a policy derives outputs (``acgc``), a Linear's or a
+            convolution's output that the next op saves (attention's q, k and v, a
+            GELU's input, a BatchNorm's input) is stored as nothing and its product made
+            again at unpack from the product's own saved input: the product runs once
+            more in backward, as checkpointing pays it. ``False`` stores those outputs
+            through the policy's codecs instead: less time, more memory (the elementwise
+            outputs, a LayerNorm's, an activation's, are still remade: they cost little).
 
     Raises:
         ValueError: a negative or non-int ``min_numel`` or ``coalesce_min_numel``, a
@@ -66,6 +73,7 @@ class EngineSettings:
     coalesce_min_numel: int | None = 64
     compress_loss: bool = False
     low_peak: bool = False
+    remake_products: bool = True
 
     def __post_init__(self) -> None:
         if not _count(self.min_numel):

@@ -89,6 +89,10 @@ class ActivationCompression(Callback):
         low_peak: a tensor remade at unpack from others does not keep them decoded until
             their own unpacks (they are decoded again there): a lower step peak for more
             decoding time (the same values; :class:`~lightning_acgc.engine.EngineSettings`).
+        remake_products: Linear and convolution outputs the next op saves are remade at
+            unpack from the product's input (acgc); ``False`` stores them through the
+            policy's codecs instead: less time, more memory
+            (:class:`~lightning_acgc.engine.EngineSettings`).
         print_table: print the per-site table at fit end (rank zero): ``True`` the
             largest sites, why tensors stayed raw and the total; ``"full"`` every site.
         scale_batch_size: ``"power"``, ``"binsearch"``, a
@@ -153,6 +157,7 @@ class ActivationCompression(Callback):
         strict: bool = False,
         compress_loss: bool = False,
         low_peak: bool = False,
+        remake_products: bool = True,
         print_table: bool | str = True,
         scale_batch_size: str | CompressedBatchSizeFinder | None = None,
         memory_budget: int | str | None = None,
@@ -172,7 +177,10 @@ class ActivationCompression(Callback):
         self.batch_size_finder = make_finder(scale_batch_size, lr_scaling, self.enabled)
         first = (min_numel, seed, bool(compress_masks), bool(strict), coalesce_min_numel)
         settings = EngineSettings(
-            *first, compress_loss=bool(compress_loss), low_peak=bool(low_peak)
+            *first,
+            compress_loss=bool(compress_loss),
+            low_peak=bool(low_peak),
+            remake_products=bool(remake_products),
         )
         blocks = CheckpointedModules(patterns) if patterns else None
         self._driver = CalibrationDriver(self.policy, settings, parse_memory(memory_budget), blocks)
