@@ -43,7 +43,7 @@ LABELS = {
     "acgc_stored_products": "acgc, products stored",
 }
 MARKERS = dict(zip(LABELS, "o^sDvP*Xhdp", strict=True))
-COLORS = dict(zip(LABELS, plt.get_cmap("tab10").colors, strict=False))
+COLORS = dict(zip(LABELS, (*plt.get_cmap("tab10").colors, "black"), strict=True))
 TIMELINE_CONFIGS = ("plain", "checkpoint", BAR_POLICY, "quant2")
 
 
