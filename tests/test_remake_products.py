@@ -10,6 +10,7 @@ from torch import nn
 from lightning_acgc import ActivationCompression, compress_activations
 from lightning_acgc.codecs.spec import CodecSpec
 from lightning_acgc.engine import ActivationCompressor, EngineSettings
+from lightning_acgc.engine.derive import Origin, derive_plan
 from lightning_acgc.engine.step import compressed_step
 from lightning_acgc.policies.acgc import ACGCPolicy
 from tests.test_derive import Deriving
@@ -136,3 +137,11 @@ def test_resnet_block_trains_either_way(remake: bool) -> None:
     assert torch.isfinite(got).all()
     assert (got - plain).norm() <= 0.05 * plain.norm()
     assert bool(_products(dict(stats.sites))) is remake
+
+
+def test_plans_offer_no_product_when_products_are_off() -> None:
+    lin, conv = nn.Linear(8, 4), nn.Conv2d(2, 3, 3)
+    x, img = torch.randn(6, 8, requires_grad=True), torch.randn(1, 2, 5, 5, requires_grad=True)
+    for out, source in ((lin(x), x), (conv(img), img)):
+        assert derive_plan(out, [Origin.of(source)]) is not None
+        assert derive_plan(out, [Origin.of(source)], products=False) is None

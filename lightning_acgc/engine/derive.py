@@ -222,7 +222,10 @@ def derived_output(saved: torch.Tensor) -> bool:
 
 
 def derive_plan(
-    saved: torch.Tensor, recent: list[Origin], locate: Locate | None = None
+    saved: torch.Tensor,
+    recent: list[Origin],
+    locate: Locate | None = None,
+    products: bool = True,
 ) -> Derivation | None:
     """How to remake the saved tensor ``saved`` (an activation's, a LayerNorm's or a
     training-mode BatchNorm's output, a ReLU's output of a BatchNorm, a Linear's product
@@ -231,11 +234,14 @@ def derive_plan(
     is not such an output, its input is not among them, or the output is not contiguous.
     ``locate(node, attr)``: the position in ``recent`` of the holder autograd keeps for
     ``node``'s saved ``attr``, where it gives the values back exactly (a dropout's mask;
-    None: no dropout output is remade)."""
+    None: no dropout output is remade). ``products=False``: no Linear's or convolution's
+    output is remade (``EngineSettings.remake_products``)."""
     base = saved if saved._base is None else saved._base
     kind = type(base.grad_fn).__name__
     if kind in LINEAR_NODES or kind in LAYOUT_NODES:  # (one walk of the layout chain)
-        return linear_output(saved, base, recent) if base.is_contiguous() else None
+        return linear_output(saved, base, recent) if products and base.is_contiguous() else None
+    if kind == CONV_NODE and not products:
+        return None
     if not derived_output(saved) or not base.is_contiguous():
         return None
     if kind == LAYER_NORM_NODE:

@@ -49,7 +49,7 @@ class Recomputing:
     stats: Any
     compress_loss: bool
     low_peak: bool
-    remake_products: bool = True
+    remake_products: bool
 
     def _keep(self, *args: Any, **kwargs: Any) -> Saved:
         raise NotImplementedError
@@ -101,7 +101,8 @@ class Recomputing:
         if site.outside_every_module and not self.compress_loss:
             return None  # the loss's tensors: as float16 (EngineSettings.compress_loss)
         recent = [entry for entry in self._recent if entry.origin is not None]
-        plan = derive.derive_plan(t, [entry.origin for entry in recent], self._locator(recent))
+        origins = [entry.origin for entry in recent]
+        plan = derive.derive_plan(t, origins, self._locator(recent), self.remake_products)
         if plan is None:
             return None
         entries = [recent[i] for i in plan.sources]
@@ -160,11 +161,8 @@ class Recomputing:
     ) -> bool:
         """Whether the product ``t`` saved by site ``key`` may be remade from ``sources``:
         not from a tensor remade from a remade one (no chains of products run again), and
-        not where it yields to a later product (:mod:`~.product_choice`), never with
-        ``EngineSettings.remake_products`` off. A blocked product is reported to the
-        choice with the products that blocked it."""
-        if not self.remake_products:
-            return False
+        not where it yields to a later product (:mod:`~.product_choice`). A blocked
+        product is reported to the choice with the products that blocked it."""
         twice = [s for s in sources if _remade_twice(s)]
         if twice:
             by = [r.site for s in twice for r in s.sources if _remade(r)]  # type: ignore[union-attr]
