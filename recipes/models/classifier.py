@@ -99,12 +99,17 @@ class Classifier(pl.LightningModule):
             {"params": no_decay, "weight_decay": 0.0},
         ]
 
-    def configure_optimizers(self) -> Any:
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        """The recipe's optimizer over this model's parameters, without its schedule
+        (AdamW, or SGD with Nesterov momentum); ``configure_optimizers`` adds the schedule.
+        """
         groups = self._param_groups()
         if self.optimizer_name == "adamw":
-            opt: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=self.lr)
-        else:
-            opt = torch.optim.SGD(groups, lr=self.lr, momentum=self.momentum, nesterov=True)
+            return torch.optim.AdamW(groups, lr=self.lr)
+        return torch.optim.SGD(groups, lr=self.lr, momentum=self.momentum, nesterov=True)
+
+    def configure_optimizers(self) -> Any:
+        opt = self.build_optimizer()
         steps = self.trainer.estimated_stepping_batches
         if self.scheduler_name == "none" or not math.isfinite(steps) or steps < 1:
             return opt

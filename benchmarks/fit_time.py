@@ -1,0 +1,167 @@
+"""acgc's fit time against plain training, side by side: the figure the project's
+fit-time bar reads.
+
+A fit step as a Lightning fit runs it: ``zero_grad``, forward, backward and the recipe's
+optimizer step (``build_optimizer``: AdamW for BERT, SGD with Nesterov momentum for the
+ResNets and the GCN), each configuration on its own copy of the model with its own
+optimizer. Only plain and acgc at its default are in the process, and they alternate
+step by step (each round starting with the other one), so that the pair shares the
+machine's state; ``speed`` interleaves every configuration and leaves the optimizer out.
+
+acgc calibrates as a fit does: on its first three steps (a one-time cost that also
+builds the codecs: ``first_calibrations_extra_s`` against plain's first three steps),
+then on one step in each ``calibrate_every``, timed after the rounds at steps
+``calibrate_every`` and twice that (``calibration_step_s``). Per configuration:
+``step_vs_plain`` is the median over rounds of the paired ratio of whole steps,
+``grad_vs_plain`` the same of forward + backward alone (from the same steps);
+``fit_vs_plain`` adds one calibration per ``calibrate_every`` steps,
+``fit_1000_vs_plain`` also the first three, over a fit of 1,000 steps.
+
+    python -m benchmarks.fit_time [--quick] [--rounds 21] [--models bert_base]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from typing import Any
+
+import torch
+
+from benchmarks._cases import SPEED_CASES
+from benchmarks._harness import (
+    CALIBRATION_STEPS,
+    CASES,
+    MEASURED_STEP,
+    Runner,
+    add_common_arguments,
+    build_case,
+    emit,
+    machine,
+    make_runner,
+    progress,
+    resolve_device,
+    setup_threads,
+    timed_step,
+)
+
+CONFIGS = ("plain", "acgc")
+FIT_STEPS = 1000  # the finite fit that fit_1000_vs_plain prices the first calibrations over
+
+
+def fit_step(
+    runner: Runner, optimizer: torch.optim.Optimizer, step: int, device: torch.device
+) -> tuple[float, float]:
+    """Seconds of one fit step's forward + backward (``zero_grad`` included) and of its
+    optimizer step."""
+    grad = timed_step(lambda: runner.step(step), device)
+    return grad, timed_step(optimizer.step, device)
+
+
+def amortized(step_ratio: float, step_s: float, calibration_s: float, every: int) -> float:
+    """The ratio of a long fit: one step in ``every`` costs ``calibration_s`` instead of
+    ``step_s``.
+
+    Example:
+        >>> amortized(1.2, 2.0, 6.0, 100)  # 4 s more each 100 steps of 2 s: 2% more
+        1.224
+    """
+    return round(step_ratio * ((every - 1) * step_s + calibration_s) / (every * step_s), 3)
+
+
+def measure_model(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    device = resolve_device(args.device)
+    recipe = build_case(name, args.quick, device)
+    runners = {config: make_runner(config, recipe) for config in CONFIGS}
+    optimizers = {c: r.module.build_optimizer() for c, r in runners.items()}  # type: ignore[operator]
+    first = {
+        c: [sum(fit_step(r, optimizers[c], s, device)) for s in range(CALIBRATION_STEPS)]
+        for c, r in progress(runners.items(), f"fit_time {name}: first steps", len(runners))
+    }
+    for c, r in runners.items():  # warm-up
+        fit_step(r, optimizers[c], MEASURED_STEP, device)
+    times: dict[str, list[tuple[float, float]]] = {c: [] for c in CONFIGS}
+    for i in progress(range(args.rounds), f"fit_time {name}: rounds"):
+        for c in CONFIGS[i % 2 :] + CONFIGS[: i % 2]:
+            times[c].append(fit_step(runners[c], optimizers[c], MEASURED_STEP, device))
+    acgc = runners["acgc"]
+    every = acgc.policy.calibrate_every  # type: ignore[union-attr]
+    calibrations = [sum(fit_step(acgc, optimizers["acgc"], k * every, device)) for k in (1, 2)]
+    for runner in runners.values():
+        runner.close()
+
+    def paired(part: Any) -> float:
+        pairs = zip(times["acgc"], times["plain"], strict=True)
+        return statistics.median(part(a) / part(p) for a, p in pairs)
+
+    plain_s = statistics.median(g + o for g, o in times["plain"])
+    step_s = statistics.median(g + o for g, o in times["acgc"])
+    calibration_s = statistics.median(calibrations)
+    step_ratio = paired(lambda t: t[0] + t[1])
+    fit = amortized(step_ratio, step_s, calibration_s, every)
+    extra = sum(first["acgc"]) - sum(first["plain"])
+    row = {
+        "step_s": round(step_s, 4),
+        "grad_s": round(statistics.median(g for g, _ in times["acgc"]), 4),
+        "optimizer_s": round(statistics.median(o for _, o in times["acgc"]), 4),
+        "step_vs_plain": round(step_ratio, 3),
+        "grad_vs_plain": round(paired(lambda t: t[0]), 3),
+        "calibration_step_s": round(calibration_s, 3),
+        "calibrate_every": every,
+        "fit_vs_plain": fit,
+        "first_calibrations_extra_s": round(extra, 2),
+        "fit_1000_vs_plain": round(fit + extra / (FIT_STEPS * plain_s), 3),
+    }
+    return {
+        "family": recipe.name,
+        "description": recipe.description,
+        "optimizer": type(optimizers["plain"]).__name__,
+        "plain": {
+            "step_s": round(plain_s, 4),
+            "grad_s": round(statistics.median(g for g, _ in times["plain"]), 4),
+            "optimizer_s": round(statistics.median(o for _, o in times["plain"]), 4),
+        },
+        "acgc": row,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_common_arguments(parser)
+    parser.add_argument(
+        "--models", nargs="+", help="cases of _cases.CASES; default: _cases.SPEED_CASES"
+    )
+    parser.add_argument("--rounds", type=int, default=None, help="default: 5 quick, 21 full")
+    args = parser.parse_args(argv)
+    setup_threads(args)
+    mode = "quick" if args.quick else "full"
+    if args.rounds is None:
+        args.rounds = 5 if args.quick else 21
+    args.models = args.models or list(SPEED_CASES[mode])
+    unknown = sorted(set(args.models) - set(CASES[mode]))
+    if unknown:
+        parser.error(f"--models {unknown}: {mode} mode has {sorted(CASES[mode])}")
+    device = resolve_device(args.device)
+    print(
+        f"fit_time ({mode}): {args.models}, {args.rounds} rounds, {args.threads} thread(s), "
+        f"{device}",
+        file=sys.stderr,
+    )
+    result = {
+        "benchmark": "fit_time",
+        "mode": mode,
+        "machine": machine(device),
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "step": "zero_grad + forward + backward + optimizer step, plain and acgc alternating",
+        "models": {name: measure_model(args, name) for name in args.models},
+    }
+    emit(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
