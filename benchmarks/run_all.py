@@ -20,7 +20,9 @@ batch (``benchmarks/_cases.py``): memory 9 min, speed (5 interleaved rounds) 9 m
 acgc_vs_fixed 7 min, tradeoff 4 min, batch 1 min, codecs under 1 min, accuracy (3
 configurations x 3 recipes x 3 seeds, 10 epochs) about 15 min: about 45 minutes. On
 the 2-core Intel Xeon (2026-11-28): promise about 5 min, margin (3 targets, each with
-promise's fits) about 17 min, and acgc_vs_fixed with its size presets about 19 min.
+promise's fits) about 17 min, and acgc_vs_fixed with its size presets about 19 min. On the
+AMD EPYC (2026-11-29): speed with 9 rounds about 44 min, fit_time (21 rounds) about
+15 min.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 BENCHMARKS = (
     "memory",
     "speed",
+    "fit_time",
     "accuracy",
     "batch",
     "tradeoff",
@@ -50,7 +53,7 @@ BENCHMARKS = (
     "margin",
 )
 # The benchmarks that repeat interleaved rounds (``--rounds``; each has its own default).
-ROUNDS = ("speed", "codecs", "cpu_backends")
+ROUNDS = ("speed", "fit_time", "codecs", "cpu_backends")
 # Run only when asked (``--only kernels``): the Triton kernels' GB/s mean something on a GPU.
 EXTRA = ("kernels",)
 
