@@ -8,7 +8,9 @@ this size, or a generated batch of the preset's input size (ImageNet-size images
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +23,7 @@ __all__ = [
     "SPEED_CASES",
     "Case",
     "generated_batch",
+    "pick_cases",
     "sparse_adjacency",
 ]
 
@@ -112,6 +115,23 @@ DEFAULT_CASES = {
 # at full width with a training batch of 64 (a plain step takes about 1 s on 2 cores),
 # where the codecs' per-call overhead no longer dominates as at ResNet-50's batch of 4.
 SPEED_CASES = {"quick": DEFAULT_CASES["quick"], "full": ("resnet18", *DEFAULT_CASES["full"])}
+
+
+def pick_cases(
+    parser: argparse.ArgumentParser, names: Sequence[str] | None, mode: str, defaults: dict
+) -> list[str]:
+    """The cases a benchmark's ``--models`` names (``defaults[mode]`` when none), each
+    checked against ``CASES[mode]``: an unknown one is a parser error naming the known.
+
+    Example:
+        >>> pick_cases(argparse.ArgumentParser(), None, "full", SPEED_CASES)[0]
+        'resnet18'
+    """
+    names = list(names or defaults[mode])
+    unknown = sorted(set(names) - set(CASES[mode]))
+    if unknown:
+        parser.error(f"--models {unknown}: {mode} mode has {sorted(CASES[mode])}")
+    return names
 
 
 def generated_batch(

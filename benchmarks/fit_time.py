@@ -29,10 +29,9 @@ from typing import Any
 
 import torch
 
-from benchmarks._cases import SPEED_CASES
+from benchmarks._cases import SPEED_CASES, pick_cases
 from benchmarks._harness import (
     CALIBRATION_STEPS,
-    CASES,
     MEASURED_STEP,
     Runner,
     add_common_arguments,
@@ -140,10 +139,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     mode = "quick" if args.quick else "full"
     if args.rounds is None:
         args.rounds = 5 if args.quick else 21
-    args.models = args.models or list(SPEED_CASES[mode])
-    unknown = sorted(set(args.models) - set(CASES[mode]))
-    if unknown:
-        parser.error(f"--models {unknown}: {mode} mode has {sorted(CASES[mode])}")
+    args.models = pick_cases(parser, args.models, mode, SPEED_CASES)
     device = resolve_device(args.device)
     print(
         f"fit_time ({mode}): {args.models}, {args.rounds} rounds, {args.threads} thread(s), "

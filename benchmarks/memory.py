@@ -43,9 +43,9 @@ from typing import Any
 
 import torch
 
+from benchmarks._cases import pick_cases
 from benchmarks._harness import (
     CALIBRATION_STEPS,
-    CASES,
     CONFIGS,
     DEFAULT_CASES,
     MEASURED_STEP,
@@ -311,10 +311,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     setup_threads(args)
     mode = "quick" if args.quick else "full"
-    args.models = args.models or list(DEFAULT_CASES[mode])
-    unknown = sorted(set(args.models) - set(CASES[mode]))
-    if unknown:
-        parser.error(f"--models {unknown}: {mode} mode has {sorted(CASES[mode])}")
+    args.models = pick_cases(parser, args.models, mode, DEFAULT_CASES)
     if "plain" not in args.configs:
         args.configs = ["plain", *args.configs]
     device = resolve_device(args.device)

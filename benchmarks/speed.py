@@ -23,10 +23,9 @@ import statistics
 import sys
 from typing import Any
 
-from benchmarks._cases import SPEED_CASES
+from benchmarks._cases import SPEED_CASES, pick_cases
 from benchmarks._harness import (
     CALIBRATION_STEPS,
-    CASES,
     CONFIGS,
     MEASURED_STEP,
     POLICIES,
@@ -135,10 +134,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.rounds = 7 if args.quick else 5
     if "plain" not in args.configs:
         args.configs = ["plain", *args.configs]
-    args.models = args.models or list(SPEED_CASES[mode])
-    unknown = sorted(set(args.models) - set(CASES[mode]))
-    if unknown:
-        parser.error(f"--models {unknown}: {mode} mode has {sorted(CASES[mode])}")
+    args.models = pick_cases(parser, args.models, mode, SPEED_CASES)
     device = resolve_device(args.device)
     print(
         f"speed ({mode}): {args.models}, batch {args.batch_size or 'of each case'}, "
