@@ -16,12 +16,15 @@ from dataclasses import dataclass
 import torch
 from torch_geometric.data import Data
 
+from benchmarks._machine import add_common_arguments
+
 __all__ = [
     "CASES",
     "DEFAULT_CASES",
     "FAMILIES",
     "SPEED_CASES",
     "Case",
+    "cases_parser",
     "generated_batch",
     "pick_cases",
     "sparse_adjacency",
@@ -115,6 +118,18 @@ DEFAULT_CASES = {
 # at full width with a training batch of 64 (a plain step takes about 1 s on 2 cores),
 # where the codecs' per-call overhead no longer dominates as at ResNet-50's batch of 4.
 SPEED_CASES = {"quick": DEFAULT_CASES["quick"], "full": ("resnet18", *DEFAULT_CASES["full"])}
+
+
+def cases_parser(doc: str, default: str) -> argparse.ArgumentParser:
+    """A benchmark's command line: the common options (``--quick``, ``--device``,
+    ``--threads``) and ``--models`` (cases of ``CASES``; ``default`` says which run
+    without it), described by the benchmark's docstring ``doc``."""
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_common_arguments(parser)
+    parser.add_argument("--models", nargs="+", help=f"cases of _cases.CASES; default: {default}")
+    return parser
 
 
 def pick_cases(

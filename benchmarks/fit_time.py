@@ -29,12 +29,11 @@ from typing import Any
 
 import torch
 
-from benchmarks._cases import SPEED_CASES, pick_cases
+from benchmarks._cases import SPEED_CASES, cases_parser, pick_cases
 from benchmarks._harness import (
     CALIBRATION_STEPS,
     MEASURED_STEP,
     Runner,
-    add_common_arguments,
     build_case,
     emit,
     machine,
@@ -126,13 +125,7 @@ def measure_model(args: argparse.Namespace, name: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_common_arguments(parser)
-    parser.add_argument(
-        "--models", nargs="+", help="cases of _cases.CASES; default: _cases.SPEED_CASES"
-    )
+    parser = cases_parser(__doc__, "_cases.SPEED_CASES")
     parser.add_argument("--rounds", type=int, default=None, help="default: 5 quick, 21 full")
     args = parser.parse_args(argv)
     setup_threads(args)

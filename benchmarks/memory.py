@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._cases import pick_cases
+from benchmarks._cases import cases_parser, pick_cases
 from benchmarks._harness import (
     CALIBRATION_STEPS,
     CONFIGS,
@@ -52,7 +52,6 @@ from benchmarks._harness import (
     POLICIES,
     Recipe,
     Runner,
-    add_common_arguments,
     build_case,
     count_saved,
     emit,
@@ -300,11 +299,7 @@ def _predict_peaks(configs: dict[str, dict[str, Any]], device: torch.device) -> 
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_common_arguments(parser)
-    parser.add_argument("--models", nargs="+", help="cases of _cases.CASES; default: one a family")
+    parser = cases_parser(__doc__, "one a family")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     parser.add_argument("--batch-size", type=int, default=None, help="default: the case's")
     parser.add_argument("--no-peak", action="store_true", help="skip the child processes")

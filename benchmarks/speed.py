@@ -23,14 +23,13 @@ import statistics
 import sys
 from typing import Any
 
-from benchmarks._cases import SPEED_CASES, pick_cases
+from benchmarks._cases import SPEED_CASES, cases_parser, pick_cases
 from benchmarks._harness import (
     CALIBRATION_STEPS,
     CONFIGS,
     MEASURED_STEP,
     POLICIES,
     Runner,
-    add_common_arguments,
     build_case,
     emit,
     machine,
@@ -111,13 +110,7 @@ def measure_model(args: argparse.Namespace, name: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_common_arguments(parser)
-    parser.add_argument(
-        "--models", nargs="+", help="cases of _cases.CASES; default: _cases.SPEED_CASES"
-    )
+    parser = cases_parser(__doc__, "_cases.SPEED_CASES")
     parser.add_argument(
         "--configs",
         nargs="+",
