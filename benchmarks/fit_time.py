@@ -34,6 +34,7 @@ from benchmarks._harness import (
     CALIBRATION_STEPS,
     MEASURED_STEP,
     Runner,
+    amortized,
     build_case,
     emit,
     machine,
@@ -55,17 +56,6 @@ def fit_step(
     optimizer step."""
     grad = timed_step(lambda: runner.step(step), device)
     return grad, timed_step(optimizer.step, device)
-
-
-def amortized(step_ratio: float, step_s: float, calibration_s: float, every: int) -> float:
-    """The ratio of a long fit: one step in ``every`` costs ``calibration_s`` instead of
-    ``step_s``.
-
-    Example:
-        >>> amortized(1.2, 2.0, 6.0, 100)  # 4 s more each 100 steps of 2 s: 2% more
-        1.224
-    """
-    return round(step_ratio * ((every - 1) * step_s + calibration_s) / (every * step_s), 3)
 
 
 def measure_model(args: argparse.Namespace, name: str) -> dict[str, Any]:
@@ -93,34 +83,36 @@ def measure_model(args: argparse.Namespace, name: str) -> dict[str, Any]:
         pairs = zip(times["acgc"], times["plain"], strict=True)
         return statistics.median(part(a) / part(p) for a, p in pairs)
 
-    plain_s = statistics.median(g + o for g, o in times["plain"])
-    step_s = statistics.median(g + o for g, o in times["acgc"])
+    plain, row = _medians(times["plain"]), _medians(times["acgc"])
     calibration_s = statistics.median(calibrations)
     step_ratio = paired(lambda t: t[0] + t[1])
-    fit = amortized(step_ratio, step_s, calibration_s, every)
+    fit = amortized(step_ratio, row["step_s"], calibration_s, every)
     extra = sum(first["acgc"]) - sum(first["plain"])
-    row = {
-        "step_s": round(step_s, 4),
-        "grad_s": round(statistics.median(g for g, _ in times["acgc"]), 4),
-        "optimizer_s": round(statistics.median(o for _, o in times["acgc"]), 4),
+    row |= {
         "step_vs_plain": round(step_ratio, 3),
         "grad_vs_plain": round(paired(lambda t: t[0]), 3),
         "calibration_step_s": round(calibration_s, 3),
         "calibrate_every": every,
         "fit_vs_plain": fit,
         "first_calibrations_extra_s": round(extra, 2),
-        "fit_1000_vs_plain": round(fit + extra / (FIT_STEPS * plain_s), 3),
+        "fit_1000_vs_plain": round(fit + extra / (FIT_STEPS * plain["step_s"]), 3),
     }
     return {
         "family": recipe.name,
         "description": recipe.description,
         "optimizer": type(optimizers["plain"]).__name__,
-        "plain": {
-            "step_s": round(plain_s, 4),
-            "grad_s": round(statistics.median(g for g, _ in times["plain"]), 4),
-            "optimizer_s": round(statistics.median(o for _, o in times["plain"]), 4),
-        },
+        "plain": plain,
         "acgc": row,
+    }
+
+
+def _medians(times: list[tuple[float, float]]) -> dict[str, float]:
+    """Median seconds of the whole step, of forward + backward and of the optimizer step,
+    from (forward + backward, optimizer) pairs."""
+    return {
+        "step_s": round(statistics.median(g + o for g, o in times), 4),
+        "grad_s": round(statistics.median(g for g, _ in times), 4),
+        "optimizer_s": round(statistics.median(o for _, o in times), 4),
     }
 
 

@@ -30,6 +30,7 @@ from benchmarks._harness import (
     MEASURED_STEP,
     POLICIES,
     Runner,
+    amortized,
     build_case,
     emit,
     machine,
@@ -98,8 +99,7 @@ def measure_model(args: argparse.Namespace, name: str) -> dict[str, Any]:
             row["calibration_step_ms"] = round(1e3 * calib, 2)
             row["calibration_step_warm_ms"] = round(1e3 * statistics.median(warm[config]), 2)
             step = statistics.median(ts)
-            amortized = ((CALIBRATE_EVERY - 1) * step + calib) / CALIBRATE_EVERY
-            row["amortized_vs_plain"] = round(ratio * amortized / step, 3)
+            row["amortized_vs_plain"] = amortized(ratio, step, calib, CALIBRATE_EVERY)
         configs[config] = row
     return {
         "family": recipe.name,

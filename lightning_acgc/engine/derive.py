@@ -240,8 +240,6 @@ def derive_plan(
     kind = type(base.grad_fn).__name__
     if kind in LINEAR_NODES or kind in LAYOUT_NODES:  # (one walk of the layout chain)
         return linear_output(saved, base, recent) if products and base.is_contiguous() else None
-    if kind == CONV_NODE and not products:
-        return None
     if not derived_output(saved) or not base.is_contiguous():
         return None
     if kind == LAYER_NORM_NODE:
@@ -251,7 +249,7 @@ def derive_plan(
     if kind == RELU_NODE:
         return relu_output(saved, base, recent)
     if kind == CONV_NODE:
-        return conv_output(saved, base, recent)
+        return conv_output(saved, base, recent) if products else None
     if scaled(base):
         if locate is None:
             return None
