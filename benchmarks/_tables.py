@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 from benchmarks._plots import BAR_POLICY, LABELS, TIME_BAR, family_model
+from benchmarks._promise_bars import band_bar, promise_bar
 
 __all__ = [
     "accuracy_table",
@@ -30,8 +31,6 @@ ACCURACY_BAR_PP = 0.1  # accuracy within 0.1 pp of plain, or within plain's seed
 PEAK_GAP = 0.15  # measured step peak within 15% of what the activation ratio predicts
 MODEL_NAMES = {"resnet": "ResNet", "bert": "BERT", "gnn": "GNN"}
 # where issue 13 wants a calibration's measured error, against its bound: [0.5e, e]
-BAND = (0.5, 1.0)
-PROMISE_BAR = 0.99  # share of a fit's verified calibrations that keep acgc's promise (issue 13)
 BEST_ERROR = 0.05  # the best policy: the highest ratio at a measured error up to this
 COMBINED = "acgc_checkpoint"  # acgc used together with checkpointing (benchmarks/_harness.py)
 CHECKPOINTING = ("checkpoint", COMBINED)  # configurations that checkpoint blocks
@@ -338,63 +337,6 @@ def _combined_line(
         f"{_name(model)}, {BAR_POLICY} with checkpointing vs checkpointing alone: "
         f"{own:.2f} vs {ck_mem:.2f} MB kept at gradient error {_fmt(err, '.3f')}, "
         f"{t:.2f}x vs {ck_time:.2f}x step time (bar: less memory than checkpointing, within e)"
-    )
-
-
-def promise_bar(promise: dict[str, Any]) -> tuple[bool, str]:
-    """acgc's promise over whole fits (``benchmarks/promise.py``): (met, its line).
-
-    Example:
-        >>> promise_bar({"calibrate_every": 5, "summary": {
-        ...     "charlm": {"calibrations": 10, "kept": 9, "share": 0.9, "worst_layer": 1.4},
-        ...     "all": {"calibrations": 10, "kept": 9, "share": 0.9, "worst_layer": 1.4}}})[0]
-        False
-    """
-    summary = promise["summary"]
-    s = summary["all"]
-    each = ", ".join(
-        f"{r} {v['kept']}/{v['calibrations']}" for r, v in summary.items() if r != "all"
-    )
-    step = ""
-    if "layer_step_kept" in s:  # every layer also within e_m of its step's own ‖g_m‖
-        step = f"; against each step's own ‖g_m‖ alone: {s['layer_step_kept']}"
-    return s["share"] >= PROMISE_BAR, (
-        f"acgc's promise over whole fits (the sweep's recipes at the default e, calibrating "
-        f"every {promise['calibrate_every']} steps): both the global error ≤ e and every "
-        f"layer within its e_m on {s['kept']} of {s['calibrations']} verified calibrations "
-        f"({100 * s['share']:.1f}%: {each}; worst layer {s['worst_layer']:.2f}x its bound"
-        f"{step}) (bar: ≥ {100 * PROMISE_BAR:g}%)"
-    )
-
-
-def band_bar(promise: dict[str, Any]) -> tuple[bool, str]:
-    """How much of its budget acgc's calibrations use (``benchmarks/promise.py``): met
-    when the median calibration's global error lies in [0.5e, e].
-
-    Example:
-        >>> summary = {"calibrations": 10, "global_in_band": 2, "layer_in_band": 7,
-        ...            "median_global": 0.3, "median_layer": 0.6}
-        >>> met, line = band_bar({"summary": {"a": summary, "all": summary}})
-        >>> met, "global error on 2 of 10" in line, "worst layer's against its e_m on 7" in line
-        (False, True, True)
-    """
-    summary = promise["summary"]
-    s = summary["all"]
-    low, high = BAND
-    band = f"[{low:g}e, e]" if high == 1 else f"[{low:g}e, {high:g}e]"
-
-    def each(kind: str) -> str:
-        return ", ".join(f"{r} {v[f'median_{kind}']:.2f}" for r, v in summary.items() if r != "all")
-
-    if s.get("median_global") is None:
-        return False, f"acgc's measured error in {band}: no verified calibration"
-    return low <= s["median_global"] <= high, (
-        f"acgc's measured error in {band} (the sweep's fits at the default e):"
-        f" the global error on {s['global_in_band']} of {s['calibrations']} verified"
-        f" calibrations (median {s['median_global']:.2f}e; per recipe {each('global')}),"
-        f" the worst layer's against its e_m on {s['layer_in_band']}"
-        f" (median {s['median_layer']:.2f}; {each('layer')})"
-        f" (bar: the median calibration's global error in {band})"
     )
 
 

@@ -38,7 +38,7 @@ import torch
 from hydra.utils import instantiate
 
 from benchmarks._harness import emit, machine, resolve_device
-from benchmarks._tables import BAND
+from benchmarks._promise_bars import BAND
 from benchmarks.sweep import QUIET, RECIPES
 
 __all__ = ["BAND", "PromiseRecorder", "band_summary", "fit_with_acgc", "in_band", "summarize"]
