@@ -4,6 +4,7 @@ of widths, mixed widths through the engine, the calibration, the noise-relative 
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -257,7 +258,8 @@ def test_calibration_uses_a_share_of_the_budget() -> None:
     """Measured errors land in [0.25e, e] once κ has settled (with widths 1/2/4/8 only it
     spent about 0.1e at e=0.05: 8 -> 4 bits multiplies a tensor's error by 289).
 
-    The issue's goal is [0.5e, e]; on this MLP it is not met: each tensor's width is the
+    The issue's goal is [0.5e, e]; at the default margin it is not met on this MLP (with no
+    margin it is: the next test): each tensor's width is the
     smallest that meets its weight op's own budget (0.5 of the per-layer aim 0.35e²),
     and one width step is 4.4x the variance, so the own errors land at 0.25-1x that
     budget and the measured error at 0.28-0.42e. (Before the loss's tensor was kept, its
@@ -265,6 +267,27 @@ def test_calibration_uses_a_share_of_the_budget() -> None:
     for e in (0.05, 0.3):
         errors = [h["grad_error"] for h in _deep_mlp_errors(e)]
         assert 0.25 * e <= max(errors[3:]) <= e, (e, errors)
+
+
+@pytest.mark.parametrize("e", [0.05, 0.1])
+def test_without_a_margin_calibration_converges_into_the_band(e: float) -> None:
+    """κ follows the readings both ways, so the measured error settles where the aim puts
+    it: with no margin (``target=1``) the settled calibrations of the MLP land in
+    [0.5e, e] (median 0.57-0.59e over init seeds 0-2), at the default margin near a third
+    of e. The default keeps its margin for the per-layer promise over whole fits (README:
+    "How much of e a calibration uses"; ``benchmarks/margin.py``)."""
+    medians = {}
+    for target in (None, 1.0):
+        options = {} if target is None else {"target": target}
+        _, history = _train(
+            _deep_mlp(), "acgc", 10, _digits, lr=0.0, gradient_error=e, calibrate_every=1,
+            **options,
+        )  # fmt: skip
+        errors = [h["grad_error"] for h in history]
+        assert max(errors) <= e, (target, errors)
+        medians[target] = statistics.median(errors[3:])  # after κ's first readings
+    assert 0.5 * e <= medians[1.0] <= e, medians
+    assert medians[None] < 0.5 * e < medians[1.0], medians
 
 
 def test_bounded_codec_stays_available() -> None:
