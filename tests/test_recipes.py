@@ -3,17 +3,14 @@ learn, the real loaders fall back offline, and ``recipes/compare.py`` compares."
 
 from __future__ import annotations
 
-import doctest
 import importlib
 import math
-import pkgutil
 
 import pytest
 import torch
 from omegaconf import DictConfig
 
 import lightning_acgc
-import recipes
 from lightning_acgc.policies import available_policies
 from recipes.config_schema import compose_config
 from recipes.data import (
@@ -273,15 +270,3 @@ def test_wrong_sizes_for_a_real_data_set_are_refused() -> None:
         GlueDataModule(task="mnli", num_classes=5)
     with pytest.raises(ValueError, match="in_channels=1: CIFAR-10 has in_channels=3"):
         CIFAR10DataModule(in_channels=1)
-
-
-# ----------------------------------------------------------------------------- docs
-def _recipe_modules() -> list[str]:
-    return sorted(m.name for m in pkgutil.walk_packages(recipes.__path__, "recipes."))
-
-
-@pytest.mark.parametrize("name", _recipe_modules())
-def test_docstring_examples(name: str) -> None:
-    module = importlib.import_module(name)
-    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
-    assert result.failed == 0
