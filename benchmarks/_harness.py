@@ -51,7 +51,6 @@ __all__ = [
     "Recipe",
     "Runner",
     "add_common_arguments",
-    "amortized",
     "build_case",
     "build_recipe",
     "count_saved",
@@ -212,17 +211,6 @@ def build_case(
     batch = _to(batch, device)
     description = _describe(case.family, cfg, batch, case.image_size is not None)
     return Recipe(case.family, cfg, module, batch, datamodule, description)
-
-
-def amortized(step_ratio: float, step_s: float, calibration_s: float, every: int) -> float:
-    """The ratio of a long fit: one step in ``every`` costs ``calibration_s`` instead of
-    ``step_s``.
-
-    Example:
-        >>> amortized(1.2, 2.0, 6.0, 100)  # 4 s more each 100 steps of 2 s: 2% more
-        1.224
-    """
-    return round(step_ratio * ((every - 1) * step_s + calibration_s) / (every * step_s), 3)
 
 
 def timed_step(step: Callable[[], Any], device: torch.device) -> float:

@@ -2,8 +2,8 @@
 fit-time bar reads.
 
 A fit step as a Lightning fit runs it: ``zero_grad``, forward, backward and the recipe's
-optimizer step (``build_optimizer``: AdamW for BERT, SGD with Nesterov momentum for the
-ResNets and the GCN), each configuration on its own copy of the model with its own
+optimizer step (``build_optimizer``: AdamW for BERT and the GCN, SGD with Nesterov
+momentum for the ResNets), each configuration on its own copy of the model with its own
 optimizer. Only plain and acgc at its default are in the process, and they alternate
 step by step (each round starting with the other one), so that the pair shares the
 machine's state; ``speed`` interleaves every configuration and leaves the optimizer out.
@@ -34,7 +34,6 @@ from benchmarks._harness import (
     CALIBRATION_STEPS,
     MEASURED_STEP,
     Runner,
-    amortized,
     build_case,
     emit,
     machine,
@@ -44,6 +43,7 @@ from benchmarks._harness import (
     setup_threads,
     timed_step,
 )
+from benchmarks._rounds import amortized, interleaved
 
 CONFIGS = ("plain", "acgc")
 FIT_STEPS = 1000  # the finite fit that fit_1000_vs_plain prices the first calibrations over
@@ -69,10 +69,10 @@ def measure_model(args: argparse.Namespace, name: str) -> dict[str, Any]:
     }
     for c, r in runners.items():  # warm-up
         fit_step(r, optimizers[c], MEASURED_STEP, device)
-    times: dict[str, list[tuple[float, float]]] = {c: [] for c in CONFIGS}
-    for i in progress(range(args.rounds), f"fit_time {name}: rounds"):
-        for c in CONFIGS[i % 2 :] + CONFIGS[: i % 2]:
-            times[c].append(fit_step(runners[c], optimizers[c], MEASURED_STEP, device))
+    times = interleaved(
+        args.rounds, CONFIGS, lambda c: fit_step(runners[c], optimizers[c], MEASURED_STEP, device),
+        f"fit_time {name}: rounds",
+    )  # fmt: skip
     acgc = runners["acgc"]
     every = acgc.policy.calibrate_every  # type: ignore[union-attr]
     calibrations = [sum(fit_step(acgc, optimizers["acgc"], k * every, device)) for k in (1, 2)]

@@ -30,7 +30,6 @@ from benchmarks._harness import (
     MEASURED_STEP,
     POLICIES,
     Runner,
-    amortized,
     build_case,
     emit,
     machine,
@@ -40,6 +39,7 @@ from benchmarks._harness import (
     setup_threads,
     timed_step,
 )
+from benchmarks._rounds import amortized, interleaved
 
 CALIBRATE_EVERY = 100  # the policies' default
 
@@ -69,11 +69,10 @@ def measure_model(args: argparse.Namespace, name: str) -> dict[str, Any]:
     }
     for runner in runners.values():  # warm-up
         _timed(runner, MEASURED_STEP)
-    times: dict[str, list[float]] = {config: [] for config in runners}
-    order = list(runners)
-    for i in progress(range(args.rounds), f"speed {name}: rounds"):
-        for config in order[i % len(order) :] + order[: i % len(order)]:  # rotate the start
-            times[config].append(_timed(runners[config], MEASURED_STEP))
+    times = interleaved(
+        args.rounds, list(runners), lambda c: _timed(runners[c], MEASURED_STEP),
+        f"speed {name}: rounds",
+    )  # fmt: skip
     # Calibration steps again after the rounds: the first three also build codecs (and on
     # a GPU compile each new width's Triton kernels), a one-time cost of a fit.
     warm = {

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from benchmarks._fit_tables import fit_time_bars, fit_time_table
-from benchmarks.fit_time import amortized, main
+from benchmarks._rounds import amortized
+from benchmarks.fit_time import main
 
 
 @pytest.fixture(scope="module")
