@@ -38,6 +38,7 @@ import torch
 from hydra.utils import instantiate
 
 from benchmarks._harness import emit, machine, resolve_device
+from benchmarks._held_out import HeldOutCheck
 from benchmarks._promise_bars import BAND
 from benchmarks.sweep import QUIET, RECIPES
 
@@ -75,11 +76,19 @@ class PromiseRecorder(pl.Callback):
                 "layer_budget_use": m["layer_budget_use"],
                 "layer_step_use": m.get("layer_step_use", m["layer_budget_use"]),
                 "module": getattr(self.policy, "worst_layer", None),
+                "fixes": m.get("rehearsal_fixes", 0.0),
+                # the settings as first allocated (a rehearsal's first pass; else the same)
+                "first_global": m.get("rehearsal_error", m["grad_error"]),
+                "first_layer": m.get("rehearsal_layer_use", m["layer_budget_use"]),
             })  # fmt: skip
 
 
 def fit_with_acgc(
-    recipe: str, seed: int, calibrate_every: int, target: float | None = None
+    recipe: str,
+    seed: int,
+    calibrate_every: int,
+    target: float | None = None,
+    rehearsals: int | None = None,
 ) -> dict[str, Any]:
     """One fit of the sweep's ``recipe`` with acgc at its default (``target``: its margin,
     None: its own): its calibrations."""
@@ -89,14 +98,17 @@ def fit_with_acgc(
                  f"compression.calibrate_every={calibrate_every}"]  # fmt: skip
     if target is not None:
         overrides.append(f"compression.target={target}")
+    if rehearsals is not None:
+        overrides.append(f"compression.rehearsals={rehearsals}")
     cfg = compose_config(overrides)
     cfg.compression.print_table = False
     callback = instantiate(cfg.compression)
     recorder = PromiseRecorder(callback.policy)
+    held_out = HeldOutCheck(callback)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
-    trainer = instantiate(cfg.trainer, callbacks=[callback, recorder], logger=False)
+    trainer = instantiate(cfg.trainer, callbacks=[callback, recorder, held_out], logger=False)
     start = time.perf_counter()
     trainer.fit(model, datamodule=datamodule)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -128,6 +140,10 @@ def fit_with_acgc(
         "global_kept": sum(kept_global),
         "layer_kept": sum(kept_layer),
         "layer_step_kept": sum(kept_step),
+        "rehearsal_fixed": sum(r["fixes"] > 0 for r in readings),
+        "first_kept": sum(
+            r["first_global"] <= r["error_target"] and r["first_layer"] <= 1 for r in readings
+        ),
         "kept": len(readings) - len(broken),
         "worst_global": round(max(ratios, default=math.nan), 3),
         "worst_layer": round(max(layer_uses, default=math.nan), 3),
@@ -136,6 +152,10 @@ def fit_with_acgc(
         else None,
         "broken_at": broken,
         **uses,  # each calibration's reading against its bound (e; the layer's e_m)
+        # the step after each calibration, its settings in force (benchmarks/_held_out.py)
+        "held_out_checks": len(held_out.readings),
+        "held_out_kept": sum(g <= 1 and u <= 1 for g, u in held_out.readings),
+        "held_out_use": [[round(g, 3), round(u, 3)] for g, u in held_out.readings],
         **band_summary([uses]),  # how many in the band, and the fit's medians
         "ratio": round(metrics.get("acgc/ratio", math.nan), 3),
         "val_loss": round(metrics.get("val/loss", math.nan), 4),
@@ -161,8 +181,15 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "share": round(kept / n, 4) if n else math.nan,
             "worst_layer": max(r["worst_layer"] for r in mine),
         }
-        if all("layer_step_kept" in r for r in mine):
-            out[name]["layer_step_kept"] = sum(r["layer_step_kept"] for r in mine)
+        for key in (
+            "layer_step_kept",
+            "first_kept",
+            "rehearsal_fixed",
+            "held_out_checks",
+            "held_out_kept",
+        ):
+            if all(key in r for r in mine):
+                out[name][key] = sum(r[key] for r in mine)
         if all("global_use" in r for r in mine):
             out[name].update(band_summary(mine))
     return out
@@ -196,6 +223,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--calibrate-every", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--target", type=float, default=None, help="acgc's margin (its own)")
+    parser.add_argument("--rehearsals", type=int, default=None, help="acgc's (its own)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     plan = QUICK_RECIPES if args.quick else FULL_RECIPES
@@ -204,7 +232,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     runs = []
     for recipe, seeds in plan.items():
         for seed in args.seeds if args.seeds is not None else range(seeds):
-            runs.append(fit_with_acgc(recipe, seed, args.calibrate_every, args.target))
+            runs.append(
+                fit_with_acgc(recipe, seed, args.calibrate_every, args.target, args.rehearsals)
+            )
             r = runs[-1]
             print(f"promise: {recipe} seed {seed}: {r['kept']}/{r['calibrations']} kept, "
                   f"worst layer {r['worst_layer']}, ratio {r['ratio']}", flush=True)  # fmt: skip
@@ -214,6 +244,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": machine(resolve_device(args.device)),
         "calibrate_every": args.calibrate_every,
         "target": args.target,
+        "rehearsals": args.rehearsals,
         "runs": runs,
         "summary": summarize(runs),
     }

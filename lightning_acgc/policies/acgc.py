@@ -38,15 +38,12 @@ aims at ``first_aim`` (1/16) of the budget, as κ's starting value is a guess. W
 ``bounded`` it tightens at once and loosens at most 2x per calibration (its eb²/3 is a
 loose upper bound). A measurement above e is logged as ``tightened`` = 1. With
 ``verify=False`` the compressed pass's statistics set the following steps' settings and
-κ keeps its value. A noise-relative budget (``noise_ratio`` ρ): :mod:`~.acgc_noise`.
+κ keeps its value. A noise-relative budget (``noise_ratio`` ρ): :mod:`~.acgc_noise`;
+settings tried on the calibration's batch before they train: :mod:`~.acgc_rehearsal`.
 
-The engine keeps the loss's tensors (``EngineSettings.compress_loss``): their error enters
-δ = p − y, so every layer's gradient, and no module's scope holds it (compressed, it was
-blamed on the blocks: quick ResNet at e = 0.05, 1.8-3.1x; kept, 3.8-4.0x).
-
-Cost (``calib_ms``): the extra passes (exact, halves, probes) and the policy's own statistics on a
-calibration step, host time; ``calib_share``: that over ``calibrate_every`` ordinary
-steps (timed between :meth:`begin_step` and :meth:`end_step`).
+Cost (``calib_ms``): the extra passes (exact, halves, probes, rehearsals) and the policy's
+own statistics on a calibration step, host time; ``calib_share``: that over
+``calibrate_every`` ordinary steps (timed between :meth:`begin_step` and :meth:`end_step`).
 """
 
 from __future__ import annotations
@@ -78,6 +75,7 @@ from lightning_acgc.policies.acgc_floors import ScopeFloors
 from lightning_acgc.policies.acgc_noise import NoiseBudget, check_budget_options
 from lightning_acgc.policies.acgc_nonzero import NonzeroLayout, rounding_table
 from lightning_acgc.policies.acgc_probes import SensitivityProbes
+from lightning_acgc.policies.acgc_rehearsal import Rehearsals
 from lightning_acgc.policies.acgc_state import ACGCState
 from lightning_acgc.policies.base import Reduce
 from lightning_acgc.policies.batch_norm_path import BatchNormPaths
@@ -92,6 +90,7 @@ CODECS = ("quant", "bounded")
 class ACGCPolicy(
     ACGCState,
     NoiseBudget,
+    Rehearsals,
     ScopeFloors,
     ModelCorrections,
     SensitivityProbes,
@@ -104,8 +103,7 @@ class ACGCPolicy(
         gradient_error: allowed relative gradient error e (0 < e < 1); default 0.05, or
             none when ``noise_ratio`` is given alone.
         calibrate_every: steps between calibrations (after the first ``warmup_steps``).
-        verify: compute the exact gradient on calibration steps, log the measured error
-            and correct the model with it.
+        verify: measure the error against the exact gradient on calibration steps.
         warmup_steps: the first steps of fit all calibrate.
         history: calibrations averaged (AC-GC averages its last readings).
         initial_relative_bound: ``bounded`` only: bound relative to each tensor's range
@@ -122,6 +120,7 @@ class ACGCPolicy(
             ``max_probes``, 8; :mod:`~lightning_acgc.policies.acgc_probes`).
         probe_scope: which classes: ``"saturating"`` (default: the modules saving a
             softmax, tanh or sigmoid output, e.g. attention) or ``"all"``.
+        rehearsals: ``quant``: tries of a calibration's settings on its batch (default 0).
         config: the codec and its backend: ``quant`` (default; per-tensor bit widths,
             stochastic rounding) or ``bounded`` (error bounds), given as ``codec=`` when
             built by name (``build_policy("acgc", codec="bounded")``).
@@ -140,7 +139,7 @@ class ACGCPolicy(
     options = (
         "gradient_error", "calibrate_every", "verify", "warmup_steps", "history",
         "initial_relative_bound", "group_size", "target", "noise_ratio", "layer_floor",
-        "noise_floor", "probes", "probe_scope",
+        "noise_floor", "probes", "probe_scope", "rehearsals",
     )  # fmt: skip
     initial_width = 8  # quant: width before the first calibration and for unseen sites
     # quant: the first allocation aims at this share of the budget (κ unmeasured: on
@@ -163,6 +162,7 @@ class ACGCPolicy(
         noise_floor: float | None = None,
         probes: int | None = None,
         probe_scope: str | None = None,
+        rehearsals: int | None = None,
         config: CodecSpec | None = None,
     ) -> None:
         self._arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
@@ -176,6 +176,7 @@ class ACGCPolicy(
         check_int("warmup_steps", warmup_steps, 1)
         check_int("history", history, 1)
         self.set_probes(probes, probe_scope)
+        self.set_rehearsals(rehearsals)
         if not 0 < initial_relative_bound < 1:
             raise ValueError(f"initial_relative_bound={initial_relative_bound!r} must be in (0, 1)")
         target = target if target is not None else 0.35
