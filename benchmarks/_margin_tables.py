@@ -25,7 +25,8 @@ def margin_table(result: dict[str, Any] | None) -> list[str]:
     """One row per target: per model acgc's share of fixed 2-bit's / 4-bit's / gact's
     ratio, its default's ratio per model, and over the fits the calibrations that kept
     the global promise, the per-layer one (per recipe), the fits' median ratios, and
-    (where measured) the median calibration's global error and worst layer's use.
+    (where measured) how many checks of the step after each calibration kept both
+    promises and the median calibration's global error and worst layer's use.
 
     Example:
         >>> row = {"ratio_share": 0.9, "within": True}
@@ -40,6 +41,9 @@ def margin_table(result: dict[str, Any] | None) -> list[str]:
         >>> result["fits"]["0.35"]["all"].update(median_global=0.33, median_layer=0.49)
         >>> margin_table(result)[2].split(" | ")[-1]
         '0.33e / 0.49 |'
+        >>> result["fits"]["0.35"]["all"].update(held_out_checks=6, held_out_kept=5)
+        >>> margin_table(result)[2].split(" | ")[-2:]
+        ['5/6', '0.33e / 0.49 |']
     """
     if not result:
         return ["No results: run `python -m benchmarks.run_all --only margin`."]
@@ -53,7 +57,11 @@ def margin_table(result: dict[str, Any] | None) -> list[str]:
         "per-layer promise kept",
         "fits' median ratio",
     ]
-    banded = any("median_global" in f.get("all", {}) for f in result.get("fits", {}).values())
+    fits_all = [f.get("all", {}) for f in result.get("fits", {}).values()]
+    held = any("held_out_checks" in f for f in fits_all)
+    if held:
+        header.append("the step after: both promises kept")
+    banded = any("median_global" in f for f in fits_all)
     if banded:
         header.append("median calibration: global error / worst layer's use of its bound")
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
@@ -78,6 +86,12 @@ def margin_table(result: dict[str, Any] | None) -> list[str]:
             ]
         else:
             cells = ["–", "–", "–"]
+        if held:
+            cells.append(
+                f"{whole['held_out_kept']}/{whole['held_out_checks']}"
+                if whole and "held_out_checks" in whole
+                else "–"
+            )
         if banded:
             cells.append(
                 f"{whole['median_global']:.2f}e / {whole['median_layer']:.2f}"

@@ -47,6 +47,7 @@ __all__ = ["TARGETS", "fits_summary", "model_rows"]
 TARGETS = (0.35, 0.45, 0.6, 1.0)  # the policy's default (recorded as default_target) first;
 # 1.0: no margin, each allocation aims at e² itself
 KEPT = ("calibrations", "global_kept", "layer_kept", "kept")
+HELD_OUT = ("held_out_checks", "held_out_kept")
 
 
 def model_rows(
@@ -69,7 +70,8 @@ def model_rows(
 def fits_summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per recipe and in all: calibrations, how many kept the global promise, the
     per-layer one and both, the fits' median ratio, and (where the runs hold them) the
-    median calibration's global error over e and worst layer's use of its bound.
+    held-out checks on the step after each calibration and how many kept both promises,
+    and the median calibration's global error over e and worst layer's use of its bound.
 
     Example:
         >>> run = {"recipe": "gnn", "calibrations": 6, "global_kept": 6, "layer_kept": 5,
@@ -81,6 +83,9 @@ def fits_summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for name in [*dict.fromkeys(r["recipe"] for r in runs), "all"]:
         mine = [r for r in runs if name in ("all", r["recipe"])]
         out[name] = {k: sum(r[k] for r in mine) for k in KEPT}
+        for key in HELD_OUT:  # the step after each calibration (benchmarks/_held_out.py)
+            if all(key in r for r in mine):
+                out[name][key] = sum(r[key] for r in mine)
         if all("global_use" in r for r in mine):  # the budget used (issue 13's band)
             out[name].update(band_summary(mine))
         if name != "all":

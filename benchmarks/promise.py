@@ -15,6 +15,11 @@ and the second ≤ 1. ``layer_step_kept`` counts the calibrations whose every la
 within e_m of that step's own ‖g_m‖ (the stricter reading: an attention key's ‖g_m‖ moves
 10⁴x within a few steps).
 
+A calibration's reading is taken on the batch its settings were allocated on;
+``held_out_kept`` counts the checks on the first step after each calibration, its
+settings in force on a batch they were not allocated on (``benchmarks/_held_out.py``;
+each reading, global and worst layer against their bounds, in ``held_out_use``).
+
 Prints one JSON line: per recipe and seed the calibrations, how many kept each promise,
 the worst readings (and, per broken calibration, the module that used most of its
 bound), the final ratio and validation loss; per recipe and in all, the
@@ -23,6 +28,7 @@ share of calibrations that kept both, and how many readings landed in :data:`BAN
 ``--quick``: the char-LM and the GNN, one seed.
 
     python -m benchmarks.promise [--quick] [--seeds 0 1 2] [--calibrate-every 5]
+        [--target T]
 """
 
 from __future__ import annotations
@@ -76,19 +82,11 @@ class PromiseRecorder(pl.Callback):
                 "layer_budget_use": m["layer_budget_use"],
                 "layer_step_use": m.get("layer_step_use", m["layer_budget_use"]),
                 "module": getattr(self.policy, "worst_layer", None),
-                "fixes": m.get("rehearsal_fixes", 0.0),
-                # the settings as first allocated (a rehearsal's first pass; else the same)
-                "first_global": m.get("rehearsal_error", m["grad_error"]),
-                "first_layer": m.get("rehearsal_layer_use", m["layer_budget_use"]),
             })  # fmt: skip
 
 
 def fit_with_acgc(
-    recipe: str,
-    seed: int,
-    calibrate_every: int,
-    target: float | None = None,
-    rehearsals: int | None = None,
+    recipe: str, seed: int, calibrate_every: int, target: float | None = None
 ) -> dict[str, Any]:
     """One fit of the sweep's ``recipe`` with acgc at its default (``target``: its margin,
     None: its own): its calibrations."""
@@ -98,8 +96,6 @@ def fit_with_acgc(
                  f"compression.calibrate_every={calibrate_every}"]  # fmt: skip
     if target is not None:
         overrides.append(f"compression.target={target}")
-    if rehearsals is not None:
-        overrides.append(f"compression.rehearsals={rehearsals}")
     cfg = compose_config(overrides)
     cfg.compression.print_table = False
     callback = instantiate(cfg.compression)
@@ -140,10 +136,6 @@ def fit_with_acgc(
         "global_kept": sum(kept_global),
         "layer_kept": sum(kept_layer),
         "layer_step_kept": sum(kept_step),
-        "rehearsal_fixed": sum(r["fixes"] > 0 for r in readings),
-        "first_kept": sum(
-            r["first_global"] <= r["error_target"] and r["first_layer"] <= 1 for r in readings
-        ),
         "kept": len(readings) - len(broken),
         "worst_global": round(max(ratios, default=math.nan), 3),
         "worst_layer": round(max(layer_uses, default=math.nan), 3),
@@ -181,13 +173,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "share": round(kept / n, 4) if n else math.nan,
             "worst_layer": max(r["worst_layer"] for r in mine),
         }
-        for key in (
-            "layer_step_kept",
-            "first_kept",
-            "rehearsal_fixed",
-            "held_out_checks",
-            "held_out_kept",
-        ):
+        for key in ("layer_step_kept", "held_out_checks", "held_out_kept"):
             if all(key in r for r in mine):
                 out[name][key] = sum(r[key] for r in mine)
         if all("global_use" in r for r in mine):
@@ -223,7 +209,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--calibrate-every", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--target", type=float, default=None, help="acgc's margin (its own)")
-    parser.add_argument("--rehearsals", type=int, default=None, help="acgc's (its own)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     plan = QUICK_RECIPES if args.quick else FULL_RECIPES
@@ -232,9 +217,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     runs = []
     for recipe, seeds in plan.items():
         for seed in args.seeds if args.seeds is not None else range(seeds):
-            runs.append(
-                fit_with_acgc(recipe, seed, args.calibrate_every, args.target, args.rehearsals)
-            )
+            runs.append(fit_with_acgc(recipe, seed, args.calibrate_every, args.target))
             r = runs[-1]
             print(f"promise: {recipe} seed {seed}: {r['kept']}/{r['calibrations']} kept, "
                   f"worst layer {r['worst_layer']}, ratio {r['ratio']}", flush=True)  # fmt: skip
@@ -244,7 +227,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": machine(resolve_device(args.device)),
         "calibrate_every": args.calibrate_every,
         "target": args.target,
-        "rehearsals": args.rehearsals,
         "runs": runs,
         "summary": summarize(runs),
     }

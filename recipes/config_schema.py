@@ -72,7 +72,6 @@ class ACGCCompressionSchema(CompressionSchema):
     noise_floor: float | None = MISSING
     probes: int | None = MISSING
     probe_scope: str | None = MISSING
-    rehearsals: int | None = MISSING
     target: float | None = MISSING
     verify: bool = MISSING
 

@@ -3,9 +3,17 @@ reads the share kept."""
 
 from __future__ import annotations
 
+import pytest
+import torch
+
+from benchmarks._held_out import HeldOutCheck
 from benchmarks._tables import bars
 from benchmarks.promise import fit_with_acgc, in_band, summarize
+from lightning_acgc import ActivationCompression
+from lightning_acgc.engine.cycle import exact_gradients
+from lightning_acgc.lightning._loop import step_loss
 from lightning_acgc.policies._schedule import is_calibration_step
+from tests._lightning_models import TinyMLP, fit
 
 
 def test_a_fit_counts_each_verified_calibration_once() -> None:
@@ -26,6 +34,49 @@ def test_a_fit_counts_each_verified_calibration_once() -> None:
     assert run["global_in_band"] == sum(in_band(u) for u in run["global_use"])
     assert run["layer_in_band"] == sum(in_band(u) for u in run["layer_use"])
     assert max(run["layer_use"]) == run["worst_layer"]
+    # the held-out check: the first step after each calibration that is not one itself
+    after = [s for s in range(1, steps) if is_calibration_step(s - 1, 5, 3)]
+    checks = [s for s in after if not is_calibration_step(s, 5, 3)]
+    assert run["held_out_checks"] == len(checks) == len(run["held_out_use"])
+    kept = sum(g <= 1 and u <= 1 for g, u in run["held_out_use"])
+    assert run["held_out_kept"] == kept
+    assert all(0 < g < 2 and 0 < u < 2 for g, u in run["held_out_use"])
+
+
+class _EveryStep(HeldOutCheck):
+    """The held-out check run on every step, the calibrations' too (the check of the
+    check: on a calibration it must read what the calibration reads)."""
+
+    def __init__(self, compression: object) -> None:
+        super().__init__(compression)
+        self.metrics: list[dict[str, float]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._exact = exact_gradients(
+            self.compression.engine, pl_module, step_loss(trainer, pl_module, batch, batch_idx)
+        )
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        self.metrics.append(self.policy.metrics())
+
+
+def test_on_a_calibration_the_held_out_check_reads_what_the_calibration_reads() -> None:
+    """Its exact pass leaves no trace (the step draws the same dropout masks and rounds
+    alike), and its bounds are the policy's: on a calibration step its reading equals the
+    policy's ``grad_error`` / e and ``layer_budget_use``."""
+    torch.manual_seed(0)
+    callback = ActivationCompression(
+        policy="acgc", calibrate_every=3, min_numel=0, print_table=False
+    )
+    check = _EveryStep(callback)
+    fit(TinyMLP(dropout=0.2, samples=128), callbacks=[callback, check])
+    compared = 0
+    for (g, u), m in zip(check.readings, check.metrics, strict=True):
+        if "grad_error" in m and "layer_budget_use" in m:
+            assert g == pytest.approx(m["grad_error"] / m["error_target"], rel=1e-6)
+            assert u == pytest.approx(m["layer_budget_use"], rel=1e-6)
+            compared += 1
+    assert compared >= 4
 
 
 def _gnn_modules() -> list[tuple[str, object]]:

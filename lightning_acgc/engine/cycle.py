@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 from torch import nn
@@ -225,40 +224,6 @@ class CalibrationCycle:
             self.engine.new_step(self.engine.step)  # the probes' records are not the step's
             self.policy.probes_done()  # type: ignore[attr-defined]
         return len(todo)
-
-    def add_rehearsals(
-        self,
-        model: nn.Module,
-        compute_loss: Callable[[], torch.Tensor | None],
-        step: int | None = None,
-        inputs: Any = None,
-    ) -> int:
-        """For a policy that rehearses its settings (``wants_rehearsal``, after the exact
-        gradient and the probes): one more forward and backward of the batch under the
-        step's settings while it wants one, the gradient averaged over ranks handed to
-        ``end_rehearsal`` (which says whether the settings changed: only then does
-        another pass follow). Leaves no trace, like :meth:`add_probes`. ``step`` and
-        ``inputs``: the engine step and the batch the step's own pass will run as and
-        hold (its rounding seeds; its batch saved as it is), where they are not the
-        engine's already. Returns the number of passes."""
-        wants = getattr(self.policy, "wants_rehearsal", None)
-        done = 0
-        engine_step = self.engine.step if step is None else step
-        while wants is not None and self.step is not None and wants():
-            self.engine.new_step(engine_step)
-            if step is not None:
-                self.engine.inputs.hold(inputs)
-            try:
-                grads = exact_gradients(self.engine, model, compute_loss, compressed=True)
-            except (MemoryBudgetError, torch.OutOfMemoryError):
-                break  # it needs what the step's own pass needs: that pass tells
-            done += 1
-            grads = mean_over_ranks(grads, self.reduce, self.world_size) if grads else grads
-            if not self.policy.end_rehearsal(grads):  # type: ignore[attr-defined]
-                break
-        if done:
-            self.engine.new_step(engine_step)  # the rehearsals' records are not the step's
-        return done
 
     def reset(self) -> None:
         """Forget the step begun: the next :meth:`begin` calls ``begin_step`` again."""

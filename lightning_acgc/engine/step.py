@@ -60,7 +60,6 @@ def compressed_step(
     if wants_exact:
         cycle.add_exact_gradient(model, compute_loss)
         cycle.add_probes(model, compute_loss)
-        cycle.add_rehearsals(model, compute_loss)
     with engine.scope():
         loss = compute_loss()
     loss.backward()

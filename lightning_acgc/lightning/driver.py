@@ -235,7 +235,6 @@ class CalibrationDriver:
         self.cycle.add_exact_gradient(pl_module, loss, scale=scale, last=last)
         if last and trainer.accumulate_grad_batches == 1:
             self.cycle.add_probes(pl_module, loss)  # (the exact gradient is this batch's)
-            self.cycle.add_rehearsals(pl_module, loss, step=self.step, inputs=batch)
 
     def _wants_noise(self) -> bool:
         """Whether the policy wants the halves' gradients on the step begun."""
