@@ -19,6 +19,11 @@ def promise_bar(promise: dict[str, Any]) -> tuple[bool, str]:
         ...     "charlm": {"calibrations": 10, "kept": 9, "share": 0.9, "worst_layer": 1.4},
         ...     "all": {"calibrations": 10, "kept": 9, "share": 0.9, "worst_layer": 1.4}}})[0]
         False
+        >>> s = {"calibrations": 10, "kept": 10, "share": 1.0, "worst_layer": 0.9,
+        ...      "held_out_checks": 8, "held_out_kept": 7}
+        >>> met, line = promise_bar({"calibrate_every": 5, "summary": {"a": s, "all": s}})
+        >>> met, "allocated on: 7 of 8)" in line
+        (True, True)
     """
     summary = promise["summary"]
     s = summary["all"]
@@ -28,6 +33,11 @@ def promise_bar(promise: dict[str, Any]) -> tuple[bool, str]:
     step = ""
     if "layer_step_kept" in s:  # every layer also within e_m of its step's own ‖g_m‖
         step = f"; against each step's own ‖g_m‖ alone: {s['layer_step_kept']}"
+    if s.get("held_out_checks"):  # the step after each calibration (benchmarks/_held_out.py)
+        step += (
+            f"; on the step after each calibration, its settings on a batch they were not "
+            f"allocated on: {s['held_out_kept']} of {s['held_out_checks']}"
+        )
     return s["share"] >= PROMISE_BAR, (
         f"acgc's promise over whole fits (the sweep's recipes at the default e, calibrating "
         f"every {promise['calibrate_every']} steps): both the global error ≤ e and every "
