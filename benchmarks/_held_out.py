@@ -55,7 +55,8 @@ def held_out_uses(
 class HeldOutCheck(pl.Callback):
     """After ``ActivationCompression`` in the callbacks: on the first step after each
     verified calibration, the promise of the settings in force (:func:`held_out_uses`),
-    appended to :attr:`readings` as (global use, layer use)."""
+    appended to :attr:`readings` as (global use, layer use). Made for the fits of
+    ``benchmarks/promise.py`` (one process); with gradient accumulation it reads nothing."""
 
     def __init__(self, compression: Any) -> None:
         self.compression = compression
@@ -74,6 +75,8 @@ class HeldOutCheck(pl.Callback):
         step = trainer.global_step
         if not self._calibrated or self.policy.is_calibration_step(step):
             return
+        if trainer.accumulate_grad_batches != 1:
+            return  # .grad would sum several batches against one batch's exact gradient
         engine = self.compression.engine
         loss = step_loss(trainer, pl_module, batch, batch_idx)
         self._exact = exact_gradients(engine, pl_module, loss)
