@@ -1,13 +1,12 @@
 """acgc's promise on ordinary steps: the settings in force measured on a step that did not
 calibrate them.
 
-A calibration measures the settings it allocated on its own batch (and, with
-``rehearsals``, patches them until they keep the promise there), so its reading is not a
-sample of the steps that follow. :class:`HeldOutCheck` measures those: on the first step
+A calibration measures the settings it allocated on its own batch, so its reading is not
+a sample of the steps that follow. :class:`HeldOutCheck` measures those: on the first step
 after each calibration it takes the exact gradient of the step's batch before the step
 runs (hooks paused, random state and buffers restored: the step draws the same dropout
 masks) and, after the step's compressed backward, reads ‖ĝ − g‖/‖g‖ and each module's
-‖ĝ_m − g_m‖ against its bound as the calibration does (``layer_scale``, the layer's e_m).
+‖ĝ_m − g_m‖ against its bound as the calibration does (the policy's ``layer_uses``).
 """
 
 from __future__ import annotations
@@ -40,16 +39,10 @@ def held_out_uses(
     module_g = per_module_sq(exact)
     module_err = per_module_sq_diff(grads, exact)
     g_sq = sum(module_g.values())
-    e = policy.error_target
     if g_sq <= 0:
         return 0.0, 0.0
-    scale = policy.layer_scale(module_g)
-    layer = 0.0
-    for module, g in scale.items():
-        if g > policy.layer_floor * g_sq:
-            e_m = policy._layer_errors.get(module, e)
-            layer = max(layer, module_err.get(module, 0.0) / (e_m**2 * g))
-    return (sum(module_err.values()) / g_sq) ** 0.5 / e, layer**0.5
+    layer = max(policy.layer_uses(module_g, module_err, g_sq).values(), default=0.0)
+    return (sum(module_err.values()) / g_sq) ** 0.5 / policy.error_target, layer**0.5
 
 
 class HeldOutCheck(pl.Callback):

@@ -30,7 +30,6 @@ FIT_TIME_BAR = 1.30  # acgc's fit time, calibration included, at full size on CP
 ACCURACY_BAR_PP = 0.1  # accuracy within 0.1 pp of plain, or within plain's seed spread
 PEAK_GAP = 0.15  # measured step peak within 15% of what the activation ratio predicts
 MODEL_NAMES = {"resnet": "ResNet", "bert": "BERT", "gnn": "GNN"}
-# where issue 13 wants a calibration's measured error, against its bound: [0.5e, e]
 BEST_ERROR = 0.05  # the best policy: the highest ratio at a measured error up to this
 COMBINED = "acgc_checkpoint"  # acgc used together with checkpointing (benchmarks/_harness.py)
 CHECKPOINTING = ("checkpoint", COMBINED)  # configurations that checkpoint blocks

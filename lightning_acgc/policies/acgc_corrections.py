@@ -143,6 +143,30 @@ class ModelCorrections:
             self.kappa = max(max(self._readings), self.kappa / self.max_loosening)
         return self.kappa / before
 
+    def layer_uses(
+        self,
+        module_g: dict[str, float],
+        module_err: dict[str, float],
+        g_sq: float,
+        scale: dict[str, float] | None = None,
+    ) -> dict[str, float]:
+        """Per module held to e (its ‖g_m‖² above ``layer_floor`` of ``g_sq``): its
+        measured ‖ĝ_m − g_m‖² over its bound² e_m²·‖g_m‖², ‖g_m‖² as the promise reads
+        it (``scale``: :meth:`layer_scale` of ``module_g``, given where already taken).
+
+        Example:
+            >>> from lightning_acgc.policies.acgc import ACGCPolicy
+            >>> policy = ACGCPolicy(gradient_error=0.5)
+            >>> policy.layer_uses({"a": 4.0, "b": 0.0}, {"a": 0.5}, 4.0)  # b: below layer_floor
+            {'a': 0.5}
+        """
+        scale = self.layer_scale(module_g) if scale is None else scale
+        return {
+            m: module_err.get(m, 0.0) / (self._layer_errors.get(m, self.error_target) ** 2 * g)
+            for m, g in scale.items()
+            if g > self.layer_floor * g_sq
+        }
+
     def _measure_layers(
         self,
         module_g: dict[str, float],
@@ -158,23 +182,25 @@ class ModelCorrections:
         cause does not ratchet up."""
         if self.codec == "quant" and self._metrics.get("tightened"):
             self.hold_all_checkpoint_inputs()  # over e: what the error model cannot follow
-        worst = use = step_use = 0.0
+        worst = step_use = 0.0
         needs: dict[str, float] = {}  # measured error / budget, per module
         through_delta: dict[str, float] = {}  # the part of that not from its own input
         share = self.own_share()
         scale = self.layer_scale(module_g)
+        uses = self.layer_uses(module_g, module_err, g_sq, scale)
+        use = max(uses.values(), default=0.0)
+        if use > 0:
+            self.worst_layer = max(uses, key=uses.__getitem__)
         for module, g_now in module_g.items():
-            g = scale[module]  # the promise's ‖g_m‖² (layer_scale)
-            if g <= self.layer_floor * g_sq:
+            if module not in uses:
                 continue
+            g = scale[module]  # the promise's ‖g_m‖² (layer_scale)
             err = module_err.get(module, 0.0)
             e_m = self._layer_errors.get(module, self.error_target)
             budget = self.target * e_m**2
             if g_now > 0:
                 worst = max(worst, err / g_now)
                 step_use = max(step_use, err / (e_m**2 * g_now))
-            if err / (e_m**2 * g) > use:
-                use, self.worst_layer = err / (e_m**2 * g), module
             needs[module] = err / (budget * g)
             own = self._predicted_own.get(module, 0.0)
             through_delta[module] = max(err - own, 0.0) / ((1 - share) * budget * g)
