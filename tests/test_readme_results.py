@@ -189,3 +189,26 @@ def test_kernels_table_names_copy_multiples() -> None:
     settings = {"size": 1024, "dtype": "float32", "bits": 2, "relu": True, "repeat": 3}
     rows = kernels_table({"settings": settings, "runs": [run]})
     assert rows[-1] == "| quant | 2000 | 200 (5.0) | 100 (10.0) | 20 | 90 |"
+
+
+def _paragraph(title: str) -> str:
+    text = README_PATH.read_text()
+    start = text.index(f"**{title}**")
+    return " ".join(text[start : text.index("\n\n", start)].split())
+
+
+def test_how_much_of_e_quotes_the_committed_held_out_checks() -> None:
+    """The prose of "How much of e a calibration uses" quotes the margin fits' checks of the
+    step after each calibration and the removed rehearsals' result line as committed."""
+    prose = _paragraph("How much of e a calibration uses.")
+    margin = json.loads((RESULTS / "margin.jsonl").read_text().splitlines()[-1])
+    held = {t: f["all"] for t, f in margin["fits"].items()}
+    default = held[str(margin["default_target"])]
+    assert f"hold on {default['held_out_kept']} of {default['held_out_checks']} checks" in prose
+    for target, label in (("0.45", "0.45"), ("0.6", "0.6"), ("1.0", "`target=1`")):
+        assert f"{held[target]['held_out_kept']} at {label}" in prose, target
+    line = (RESULTS / "experiments" / "promise_rehearsals.jsonl").read_text().splitlines()[-1]
+    s = json.loads(line)["summary"]["all"]
+    assert f"kept both promises on {s['kept']} of {s['calibrations']}" in prose
+    assert f"a median of {s['median_global']:.2f}e" in prose
+    assert f"on the step after on {s['held_out_kept']} of {s['held_out_checks']}" in prose
