@@ -47,7 +47,9 @@ def sr_variance(x: torch.Tensor, group_size: int, max_groups: int = 2048) -> tor
     """
     xg = group_view(x.detach(), group_size)
     if xg.shape[0] > max_groups:
-        rows = torch.linspace(0, xg.shape[0] - 1, max_groups, device=xg.device).long()
+        rows = torch.linspace(
+            0, xg.shape[0] - 1, max_groups, dtype=torch.float32, device=xg.device
+        ).long()
         xg = xg[rows]
     xg = torch.where(torch.isfinite(xg), xg, torch.zeros((), dtype=xg.dtype, device=xg.device))
     lo, hi = xg.amin(dim=1), xg.amax(dim=1)
@@ -68,7 +70,7 @@ def sr_variance(x: torch.Tensor, group_size: int, max_groups: int = 2048) -> tor
         levels = float(2**bits - 1)
         kept = zero_kept if bits > 1 else torch.zeros_like(zero_kept)
         base = torch.where(kept, min_pos, lo)
-        top = torch.where(kept, levels - 1, levels)
+        top = torch.where(kept, lo.new_tensor(levels - 1), lo.new_tensor(levels))
         step = (hi - base) / top
         inv = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))
         t = (xg - base[:, None]) * inv[:, None]

@@ -91,7 +91,8 @@ def bounded_encode_cpu(
     xf = x.reshape(-1).to(torch.float32).contiguous()
     n, threads = xf.numel(), cpu_threads()
     groups = -(-n // group_size)
-    stats = torch.empty(3 * groups + 2)  # one allocation: lo, hi, smallest positive, range
+    # one allocation: lo, hi, smallest positive, range
+    stats = torch.empty(3 * groups + 2, dtype=torch.float32)
     lo, hi, min_pos = (stats[k * groups : (k + 1) * groups] for k in range(3))
     has_zero = torch.empty(groups, dtype=torch.uint8)
     bad = lib.acgc_bounded_stats(
@@ -105,7 +106,10 @@ def bounded_encode_cpu(
     eb = _abs_bound(stats[3 * groups :], error_bound, relative)
     kind = _KIND[x.dtype]
     width = torch.empty(groups, dtype=torch.uint8)
-    lo_p, step_p = torch.empty(groups), torch.empty(groups)
+    lo_p, step_p = (
+        torch.empty(groups, dtype=torch.float32),
+        torch.empty(groups, dtype=torch.float32),
+    )
     any_coded_raw = lib.acgc_bounded_plan(
         lo.data_ptr(), hi.data_ptr(), min_pos.data_ptr(), has_zero.data_ptr(), groups, eb,
         kind, plan._STEP_SLACK, plan._MAX_STEP, plan._GRID_MAX_K, width.data_ptr(),

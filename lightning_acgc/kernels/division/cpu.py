@@ -129,8 +129,8 @@ def _encode_fused(
     n = xf.numel()
     groups = -(-n // group_size)
     codes = torch.empty(groups * group_size * bits // 8, dtype=torch.uint8)
-    lo, scale = torch.empty(groups), torch.empty(groups)
-    zbits, stats = torch.empty((n + 7) // 8, dtype=torch.uint8), torch.empty(2)
+    lo, scale = torch.empty(groups, dtype=torch.float32), torch.empty(groups, dtype=torch.float32)
+    zbits, stats = torch.empty((n + 7) // 8, dtype=torch.uint8), torch.empty(2, dtype=torch.float32)
     if lib.acgc_division_residual(
         xf.data_ptr(), *args, low.data_ptr(), bits, group_size, hash_key(seed), lo.data_ptr(),
         scale.data_ptr(), codes.data_ptr(), zbits.data_ptr(), stats.data_ptr(), threads,

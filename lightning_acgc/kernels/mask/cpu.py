@@ -85,7 +85,9 @@ def mask_affine_cpu(
     out = torch.empty_like(x)
     rows = x.shape[0] * x.shape[1] if x.dim() >= 2 else 0
     if out.numel():
-        scale, shift, packed = scale.contiguous(), shift.contiguous(), packed.contiguous()
+        f32 = torch.float32  # C reads float32 factors, whatever the parameters' dtype
+        scale, shift = scale.to(f32).contiguous(), shift.to(f32).contiguous()
+        packed = packed.contiguous()
         add = None if addend is None else addend.to(x.dtype).contiguous()
         cpu_library().acgc_mask_affine_f32(
             x.data_ptr(), rows, x.shape[1], x.numel() // rows, scale.data_ptr(),

@@ -52,7 +52,9 @@ def mask_select_ref(packed: torch.Tensor, numel: int, lo: float, hi: float) -> t
     """The inverse of :func:`mask_two_ref`: a flat float32 tensor, ``hi`` where bit ``i``
     is set, else ``lo``."""
     flags = mask_unpack_ref(packed, numel)
-    return torch.where(flags, torch.tensor(hi), torch.tensor(lo))
+    return torch.where(
+        flags, torch.tensor(hi, dtype=torch.float32), torch.tensor(lo, dtype=torch.float32)
+    )
 
 
 def mask_affine_ref(

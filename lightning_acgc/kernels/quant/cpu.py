@@ -41,7 +41,7 @@ def quant_encode_cpu(
     n = xf.numel()
     groups = -(-n // group_size)
     codes = torch.empty(groups * group_size * bits // 8, dtype=torch.uint8)
-    lo, scale = torch.empty(groups), torch.empty(groups)
+    lo, scale = torch.empty(groups, dtype=torch.float32), torch.empty(groups, dtype=torch.float32)
     status = 1
     for bf16 in (True, False) if meta == "bf16" else (False,):
         status = lib.acgc_quant_encode(

@@ -174,7 +174,7 @@ def group_meta(
     levels = float(2**bits - 1)
     zero_kept = (lo == 0) & (hi > 0) if bits > 1 else torch.zeros_like(lo, dtype=torch.bool)
     lo = torch.where(zero_kept, min_pos, lo) if bits > 1 else lo
-    top = torch.where(zero_kept, levels - 1, levels)
+    top = torch.where(zero_kept, lo.new_tensor(levels - 1), lo.new_tensor(levels))
     if meta == "bf16":
         lo_b = _bf16_down(lo.contiguous()) + 0.0
         step_b = _bf16_up(((hi - lo_b) / top).clamp_(min=0).contiguous())
