@@ -31,9 +31,9 @@ import torch
 from lightning_acgc.engine.derive_graph import (
     Derivation,
     Origin,
-    affine_param,
     check_unchanged,
     placed,
+    used_param,
 )
 
 __all__ = ["CONV_NODE", "conv_gain", "conv_output"]
@@ -64,12 +64,10 @@ def conv_output(saved: torch.Tensor, base: torch.Tensor, recent: list[Origin]) -
     if bool(node._saved_transposed):  # type: ignore[union-attr]
         return None
     edges = node.next_functions  # type: ignore[union-attr]
-    weight = affine_param(edges[1])
+    weight = used_param(edges[1])
     has_bias = tuple(node._saved_bias_sym_sizes_opt or (0,)) != (0,)  # type: ignore[union-attr]
-    bias = affine_param(edges[2]) if has_bias else None
+    bias = used_param(edges[2]) if has_bias else None
     if not isinstance(weight, torch.Tensor) or bias is False or (has_bias and bias is None):
-        return None
-    if weight.dtype != base.dtype:
         return None
     found = [
         i
@@ -89,9 +87,10 @@ def conv_output(saved: torch.Tensor, base: torch.Tensor, recent: list[Origin]) -
 
     def fn(x_hat: torch.Tensor) -> torch.Tensor:
         unchanged()
-        with torch.no_grad():
+        with torch.no_grad():  # (the casts: autocast's, see used_param; else no-ops)
+            w, b = weight.to(base.dtype), None if bias is None else bias.to(base.dtype)
             y = torch.ops.aten.convolution(
-                x_hat, weight, bias, stride, padding, dilation, False, output_padding, groups
+                x_hat, w, b, stride, padding, dilation, False, output_padding, groups
             )
             return view(y)
 

@@ -9,7 +9,15 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Derivation", "Origin", "affine_param", "check_unchanged", "find", "placed"]
+__all__ = [
+    "Derivation",
+    "Origin",
+    "affine_param",
+    "check_unchanged",
+    "find",
+    "placed",
+    "used_param",
+]
 
 
 class Origin(NamedTuple):
@@ -94,6 +102,25 @@ def affine_param(edge: tuple[object, int]) -> torch.Tensor | bool | None:
         return None
     variable = getattr(node, "variable", None)
     return variable if isinstance(variable, torch.Tensor) else False
+
+
+def used_param(edge: tuple[object, int]) -> torch.Tensor | bool | None:
+    """:func:`affine_param`, also through a cast: the parameter behind autocast's copy of
+    it in another dtype (``ToCopyBackward0`` of a leaf). A remaking casts it again, as
+    autocast did (``param.to(dtype)``: the same rounding), so that a bf16-mixed
+    convolution's or Linear's output is remade as under float32.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.randn(3, 3))
+        >>> used_param((w.to(torch.bfloat16).grad_fn, 0)) is w
+        True
+    """
+    node = edge[0]
+    if type(node).__name__ == "ToCopyBackward0":
+        (inner,) = node.next_functions  # type: ignore[attr-defined]
+        param = affine_param(inner)
+        return param if isinstance(param, torch.Tensor) else False
+    return affine_param(edge)
 
 
 def check_unchanged(what: str, *params: torch.Tensor | None) -> Callable[[], None]:

@@ -31,9 +31,9 @@ import torch
 from lightning_acgc.engine.derive_graph import (
     Derivation,
     Origin,
-    affine_param,
     check_unchanged,
     placed,
+    used_param,
 )
 from lightning_acgc.engine.layout_chain import LAYOUT_NODES, layout_chain
 
@@ -58,7 +58,7 @@ def _weight(edge: tuple[object, int]) -> torch.Tensor | None:
     node = edge[0]
     if node is None or type(node).__name__ != "TBackward0":
         return None
-    param = affine_param(node.next_functions[0])  # type: ignore[attr-defined]
+    param = used_param(node.next_functions[0])  # type: ignore[attr-defined]
     return param if isinstance(param, torch.Tensor) and param.dim() == 2 else None
 
 
@@ -80,8 +80,8 @@ def linear_output(
 ) -> Derivation | None:
     """How to remake ``saved`` (a view of ``base``, a Linear's product after layout
     ops) from the Linear's input among ``recent``; None where it is not one, the input
-    is not there, the weight is not a parameter used as it is (a cast under autocast)
-    or the bias is computed."""
+    is not there, the weight is not a parameter (used as it is or cast by autocast) or
+    the bias is computed."""
     chain = layout_chain(base, _is_product)
     if chain is None:
         return None
@@ -90,7 +90,7 @@ def linear_output(
     with_bias = type(node).__name__ == "AddmmBackward0"
     if with_bias and edges[0][0] is None:  # a bias that takes no gradient: not read here
         return None
-    bias = affine_param(edges[0]) if with_bias else None
+    bias = used_param(edges[0]) if with_bias else None
     input_edge, weight_edge = edges[1:] if with_bias else edges
     weight = _weight(weight_edge)
     if weight is None or bias is False or len(shape) != 2:
@@ -103,7 +103,7 @@ def linear_output(
         and recent[i].dtype == base.dtype
         and tuple(recent[i].shape) == (rows, weight.shape[1])
     ]
-    if not found or tuple(shape) != (rows, weight.shape[0]) or weight.dtype != base.dtype:
+    if not found or tuple(shape) != (rows, weight.shape[0]):
         return None
     alpha = float(getattr(node, "_saved_alpha", 1)) if with_bias else 1.0
     beta = float(getattr(node, "_saved_beta", 1)) if with_bias else 1.0
@@ -113,12 +113,13 @@ def linear_output(
 
     def fn(x_hat: torch.Tensor) -> torch.Tensor:
         unchanged()
-        with torch.no_grad():
+        with torch.no_grad():  # (the casts: autocast's, see used_param; else no-ops)
+            w = weight.to(base.dtype)
             if bias is None:
-                y = torch.mm(x_hat, weight.t())
+                y = torch.mm(x_hat, w.t())
                 y = y * alpha if alpha != 1.0 else y
             else:
-                y = torch.addmm(bias, x_hat, weight.t(), beta=beta, alpha=alpha)
+                y = torch.addmm(bias.to(base.dtype), x_hat, w.t(), beta=beta, alpha=alpha)
             return view(chain.replay(y))
 
     def gain(x: torch.Tensor | None) -> float:

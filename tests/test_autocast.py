@@ -1,0 +1,137 @@
+"""Compression under autocast (Lightning's ``precision="bf16-mixed"``): the weights an op
+uses are bf16 copies of the parameters, made by autograd-tracked casts and saved in their
+place. They are the weights, not activations: kept as they are (a lossy copy changes
+every gradient through the op), and read back through the cast where acgc remakes a
+convolution's or a Linear's output (lightning_acgc.engine.derive_conv, derive_linear)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_acgc import ActivationCompression, compress_activations
+from lightning_acgc.engine.derive import Origin
+from lightning_acgc.engine.derive_conv import conv_gain, conv_output
+from lightning_acgc.engine.derive_linear import linear_gain, linear_output
+from lightning_acgc.engine.sites import is_parameter_cast
+from tests._lightning_models import fit
+
+BF16 = torch.bfloat16
+
+
+def _autocast() -> torch.autocast:
+    return torch.autocast("cpu", dtype=BF16)
+
+
+def _bf16_input(*shape: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(*shape, generator=g) * 2).to(BF16).requires_grad_() * 1.0
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_conv_output_remade_through_autocast_casts(bias: bool) -> None:
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 8, 3, padding=1, bias=bias)
+    x = _bf16_input(4, 3, 10, 10)
+    with _autocast():
+        y = conv(x)
+    weight_edge = y.grad_fn.next_functions[1][0]  # autocast's copy, not the parameter
+    assert y.dtype == BF16 and type(weight_edge).__name__ == "ToCopyBackward0"
+    plan = conv_output(y, y, [Origin.of(x)])
+    assert plan is not None and plan.name == "conv"
+    torch.testing.assert_close(plan.fn(x.detach()), y.detach(), rtol=0, atol=0)
+    assert plan.gain(None) == pytest.approx(conv_gain(conv.weight))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_output_remade_through_autocast_casts(bias: bool) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 6, bias=bias)
+    x = _bf16_input(10, 8)
+    with _autocast():
+        y = lin(x)
+    plan = linear_output(y, y, [Origin.of(x)])
+    assert plan is not None and plan.name == "linear"
+    torch.testing.assert_close(plan.fn(x.detach()), y.detach(), rtol=0, atol=0)
+    assert plan.gain(None) == pytest.approx(linear_gain(lin.weight))
+
+
+def test_parameter_casts_are_told_from_other_casts() -> None:
+    w = nn.Parameter(torch.randn(4, 4))
+    with _autocast():
+        y = F.linear(torch.randn(2, 4), w)
+    assert is_parameter_cast(w.to(BF16)) and is_parameter_cast(w.to(BF16).t()[1:])
+    assert not is_parameter_cast((w * 2).to(BF16)) and not is_parameter_cast(y)
+    assert not is_parameter_cast(w.detach().to(BF16))  # no graph: nothing to tell it by
+
+
+def test_a_computed_weight_is_still_not_remade_under_autocast() -> None:
+    conv = nn.Conv2d(3, 4, 3)
+    x = _bf16_input(2, 3, 8, 8)
+    with _autocast():
+        y = F.conv2d(x, conv.weight * 2.0, conv.bias)  # a cast of a computed tensor
+    assert conv_output(y, y, [Origin.of(x)]) is None
+
+
+def test_weight_copies_are_kept_so_the_input_gradient_is_exact() -> None:
+    """A Linear's input gradient reads only its weight: at 1 bit a value everywhere else,
+    it is still the exact one, and the table says why the weight's copy was kept."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 512)
+    x = torch.randn(32, 64, requires_grad=True)
+    with _autocast():
+        lin(x).float().square().sum().backward()
+    exact = x.grad.clone()
+    x.grad = None
+    with compress_activations(codec="quant", bits=1, model=lin) as stats, _autocast():
+        lin(x).float().square().sum().backward()
+    torch.testing.assert_close(x.grad, exact, rtol=0, atol=0)
+    kept = {rec.settings for rec in stats.sites.values() if rec.codec == "kept"}
+    assert "parameter cast" in kept and stats.tensors_packed > 0
+
+
+class ConvBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+            nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4),
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def test_acgc_under_bf16_mixed_remakes_the_batch_norm_inputs() -> None:
+    from lightning.pytorch import LightningModule
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Module(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = ConvBN()
+
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            x, y = batch
+            loss = F.cross_entropy(self.model(x), y)
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+        def train_dataloader(self):  # type: ignore[no-untyped-def]
+            g = torch.Generator().manual_seed(0)
+            x, y = torch.randn(64, 3, 16, 16, generator=g), torch.randint(0, 4, (64,), generator=g)
+            return DataLoader(TensorDataset(x, y), batch_size=16)
+
+    torch.manual_seed(0)
+    cb = ActivationCompression(print_table=False)
+    fit(Module(), [cb], max_steps=4, precision="bf16-mixed")
+    sites = cb.stats.sites
+    assert sites["model.net.4:0"].codec == "recomputed"  # the second BatchNorm's input
+    assert sites["model.net.3:1"].settings == "parameter cast"  # the second conv's weight
+    assert cb.stats.ratio > 1.5
