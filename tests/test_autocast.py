@@ -15,7 +15,7 @@ from lightning_acgc import ActivationCompression, compress_activations
 from lightning_acgc.engine.derive import Origin
 from lightning_acgc.engine.derive_conv import conv_gain, conv_output
 from lightning_acgc.engine.derive_linear import linear_gain, linear_output
-from lightning_acgc.engine.sites import is_parameter_cast
+from lightning_acgc.engine.param_casts import FrozenParameters, is_parameter_cast
 from tests._lightning_models import fit
 
 BF16 = torch.bfloat16
@@ -90,6 +90,34 @@ def test_weight_copies_are_kept_so_the_input_gradient_is_exact() -> None:
     torch.testing.assert_close(x.grad, exact, rtol=0, atol=0)
     kept = {rec.settings for rec in stats.sites.values() if rec.codec == "kept"}
     assert "parameter cast" in kept and stats.tensors_packed > 0
+
+
+def test_frozen_weight_copies_are_kept_too() -> None:
+    """A frozen Linear (a LoRA fine-tune's base weight) under autocast: its bf16 copy has
+    no graph, told by its shape and values; the input gradient stays exact at 1 bit."""
+    torch.manual_seed(0)
+    base = nn.Linear(64, 512).requires_grad_(False)
+    x = torch.randn(32, 64, requires_grad=True)
+    with _autocast():
+        base(x).float().square().sum().backward()
+    exact = x.grad.clone()
+    x.grad = None
+    with compress_activations(codec="quant", bits=1, model=base) as stats, _autocast():
+        base(x).float().square().sum().backward()
+    torch.testing.assert_close(x.grad, exact, rtol=0, atol=0)
+    assert any(r.settings == "parameter cast" for r in stats.sites.values())
+
+
+def test_a_frozen_parameter_is_read_again_each_step() -> None:
+    lin = nn.Linear(8, 8)
+    frozen = FrozenParameters(lin)
+    copy = lin.weight.detach().to(BF16)
+    assert not frozen.has_copy(copy)  # it takes a gradient: its copy has a graph
+    lin.requires_grad_(False)
+    assert not frozen.has_copy(copy)  # not read again yet
+    frozen.refresh()
+    assert frozen.has_copy(copy) and not frozen.has_copy(copy * 2)
+    assert not frozen.has_copy(lin.weight.detach().clone())  # its own dtype: not a copy
 
 
 class ConvBN(nn.Module):

@@ -330,7 +330,7 @@ class ActivationCompressor(Recomputing):
                 if small or t.dtype != torch.float32 or control:
                     return self._keep(site, t, key, ref, raw, "loss")  # (identity: the control)
                 codec = self._loss_codec  # float16: see EngineSettings.compress_loss
-            elif why := sites.kept_as_is(site.module_type, t):  # a weight's cast, a norm stat
+            elif why := sites.kept_as_is(site.module_type, t, self.tracker.frozen):
                 return self._keep(site, t, key, ref, raw, why)
             else:
                 if self.compress_masks and not small and not control and without_history(t):

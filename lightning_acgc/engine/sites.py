@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_acgc.engine.param_casts import FrozenParameters, is_parameter_cast
+
 __all__ = ["NORM_TYPES", "ModuleTracker", "SiteInfo", "is_norm_statistic", "saved_by_checkpoint"]
 
 NORM_TYPES = frozenset(
@@ -78,6 +80,7 @@ class ModuleTracker:
         self._ordinals: dict[str, int] = {}
         self._names: dict[int, str] = {}
         self._thread = threading.get_ident()
+        self.frozen = FrozenParameters(model)  # their copies are kept (param_casts.py)
 
     # -- installation -------------------------------------------------------
     def install(self) -> None:
@@ -132,6 +135,7 @@ class ModuleTracker:
         """Restart the per-module ordinals (sites are numbered per step)."""
         self._ordinals.clear()
         self._stack.clear()
+        self.frozen.refresh()
 
     def next_site(self, checkpoint_input: bool = False) -> SiteInfo:
         module, module_type = self._stack[-1] if self._stack else ("", "")
@@ -189,40 +193,21 @@ def is_leaf_parameter(t: torch.Tensor) -> bool:
     return base.is_leaf and base.requires_grad
 
 
-def kept_as_is(module_type: str, t: torch.Tensor) -> str | None:
+def kept_as_is(
+    module_type: str, t: torch.Tensor, frozen: FrozenParameters | None = None
+) -> str | None:
     """Why the engine keeps floating ``t``, saved in a ``module_type``, as it is whatever
-    the policy: ``"parameter cast"`` (:func:`is_parameter_cast`), ``"norm statistic"``
-    (:func:`is_norm_statistic`); None where it does not.
+    the policy: ``"parameter cast"`` (:func:`~lightning_acgc.engine.param_casts.
+    is_parameter_cast`, or a copy of one of the ``frozen`` parameters), ``"norm
+    statistic"`` (:func:`is_norm_statistic`); None where it does not.
 
     Example:
         >>> kept_as_is("LayerNorm", torch.zeros(8, 16, 1)), kept_as_is("Linear", torch.zeros(8))
         ('norm statistic', None)
     """
-    if is_parameter_cast(t):
+    if is_parameter_cast(t) or (frozen is not None and frozen.has_copy(t)):
         return "parameter cast"
     return "norm statistic" if is_norm_statistic(module_type, t) else None
-
-
-def is_parameter_cast(t: torch.Tensor) -> bool:
-    """A parameter cast to another dtype for this forward, or a view of one: autocast's
-    bf16 or float16 copy of a weight, which the op saves in its place. It is the weight
-    as the op used it, not an activation: a lossy copy changes every gradient that flows
-    through the op (a 7-bit copy of a ResNet's fc weight alone put a bf16-mixed
-    calibration at 0.5e before anything else was compressed). Kept as it is, like the
-    parameter itself in float32 training (reason "parameter cast" in the per-site table).
-
-    Example:
-        >>> w = torch.nn.Parameter(torch.randn(4, 4))
-        >>> is_parameter_cast(w.to(torch.bfloat16)), is_parameter_cast(w.to(torch.bfloat16).t())
-        (True, True)
-        >>> is_parameter_cast(w * 2), is_parameter_cast(w)
-        (False, False)
-    """
-    base = t._base if t._base is not None else t
-    fn = base.grad_fn
-    if fn is None or type(fn).__name__ != "ToCopyBackward0":
-        return False
-    return any(type(n).__name__ == "AccumulateGrad" for n, _ in fn.next_functions if n)
 
 
 def is_norm_statistic(module_type: str, x: torch.Tensor) -> bool:

@@ -1,0 +1,89 @@
+"""Parameters saved as copies in another dtype: what autocast (``precision="bf16-mixed"``)
+hands an op in place of its float32 weight, and what the op then saves.
+
+Such a copy is the weight as the op used it, not an activation: a lossy copy changes
+every gradient that flows through the op (a 7-bit copy of a ResNet's fc weight alone put
+a bf16-mixed calibration at half its error budget before anything else was compressed).
+The engine keeps them as they are, like the parameters themselves in float32 training
+(reason ``"parameter cast"`` in the per-site table). A copy of a parameter that takes a
+gradient carries the cast in its graph (:func:`is_parameter_cast`); a frozen
+parameter's copy (a LoRA fine-tune's base weights) has no graph, and is recognised by
+its shape and values (:class:`FrozenParameters`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["FrozenParameters", "is_parameter_cast"]
+
+_SAMPLES = 64  # values compared to tell a frozen parameter's copy
+
+
+def is_parameter_cast(t: torch.Tensor) -> bool:
+    """A parameter that takes a gradient, cast to another dtype for this forward, or a
+    view of such a cast (``ToCopyBackward0`` of a leaf in the graph).
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.randn(4, 4))
+        >>> is_parameter_cast(w.to(torch.bfloat16)), is_parameter_cast(w.to(torch.bfloat16).t())
+        (True, True)
+        >>> is_parameter_cast(w * 2), is_parameter_cast(w)
+        (False, False)
+    """
+    base = t._base if t._base is not None else t
+    fn = base.grad_fn
+    if fn is None or type(fn).__name__ != "ToCopyBackward0":
+        return False
+    return any(type(n).__name__ == "AccumulateGrad" for n, _ in fn.next_functions if n)
+
+
+class FrozenParameters:
+    """The floating parameters of ``model`` that take no gradient, by shape, read again
+    after :meth:`refresh` (a fit may freeze or unfreeze them between steps).
+
+    Example:
+        >>> base = torch.nn.Linear(4, 3).requires_grad_(False)
+        >>> frozen = FrozenParameters(base)
+        >>> frozen.has_copy(base.weight.to(torch.bfloat16).t())
+        True
+        >>> frozen.has_copy(torch.zeros(3, 4, dtype=torch.bfloat16))
+        False
+    """
+
+    def __init__(self, model: nn.Module | None) -> None:
+        self._model = model
+        self._by_shape: dict[tuple[int, ...], list[torch.Tensor]] | None = None
+
+    def refresh(self) -> None:
+        """Read the model's frozen parameters again on the next :meth:`has_copy`."""
+        self._by_shape = None
+
+    def has_copy(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` (or the tensor it views) has no graph and holds the values of a
+        frozen parameter of its shape cast to ``t``'s other dtype (compared on up to 64
+        evenly spaced values: a saved activation without history of exactly that shape
+        and those values is not met in practice)."""
+        if t.grad_fn is not None or t.requires_grad or self._model is None:
+            return False
+        base = t._base if t._base is not None else t
+        if not base.is_floating_point() or base.numel() == 0:
+            return False
+        if self._by_shape is None:
+            self._by_shape = {}
+            for p in self._model.parameters():
+                if not p.requires_grad and p.is_floating_point() and p.numel():
+                    self._by_shape.setdefault(tuple(p.shape), []).append(p)
+        return any(
+            p.dtype != base.dtype and p.device == base.device and _same_values(p, base)
+            for p in self._by_shape.get(tuple(base.shape), ())
+        )
+
+
+def _same_values(param: torch.Tensor, copy: torch.Tensor) -> bool:
+    flat, n = copy.reshape(-1), copy.numel()
+    at = torch.arange(0, n, max(1, n // _SAMPLES), device=copy.device)[:_SAMPLES]
+    with torch.no_grad():
+        want = param.detach().reshape(-1)[at].to(copy.dtype)
+        return bool(torch.equal(want, flat[at]))
