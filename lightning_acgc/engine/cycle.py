@@ -13,6 +13,7 @@ from torch import nn
 
 from lightning_acgc.engine.compressor import ActivationCompressor, MemoryBudgetError
 from lightning_acgc.engine.policy import Policy, Reduce
+from lightning_acgc.kernels.common.sums import dense
 
 __all__ = ["CalibrationCycle", "exact_gradients", "mean_over_ranks", "no_reduce", "no_side_effects"]
 
@@ -67,8 +68,8 @@ def exact_gradients(
         grads = torch.autograd.grad(
             loss * scale if scale != 1.0 else loss, [p for _, p in named], allow_unused=True
         )
-    return {
-        n: (g.detach() if g is not None else torch.zeros_like(p))
+    return {  # (a sparse gradient, an Embedding's with sparse=True, made dense)
+        n: (dense(g.detach()) if g is not None else torch.zeros_like(p))
         for (n, p), g in zip(named, grads, strict=True)
     }
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_acgc.kernels.common.sums import squared_sum
+from lightning_acgc.kernels.common.sums import dense, squared_sum
 from lightning_acgc.policies.base import Reduce
 
 __all__ = ["module_norms", "per_module_sq", "per_module_sq_diff", "reduce_tables"]
@@ -79,7 +79,7 @@ def module_norms(
         err_sq.setdefault(module, 0.0)
         if p.grad is None:
             continue
-        got = p.grad.detach()
+        got = dense(p.grad.detach())
         ref = exact.get(name) if exact is not None else None
         if ref is None:
             g_sq[module] += squared_sum(got)

@@ -9,7 +9,7 @@ import torch
 from lightning_acgc.kernels.common.cpu_lib import cpu_library, cpu_threads
 from lightning_acgc.kernels.common.dispatch import route
 
-__all__ = ["squared_sum", "squared_sum_cpu", "squared_sum_ref"]
+__all__ = ["dense", "squared_sum", "squared_sum_cpu", "squared_sum_ref"]
 
 
 def squared_sum_ref(a: torch.Tensor, b: torch.Tensor | None = None) -> float:
@@ -43,3 +43,14 @@ def squared_sum(a: torch.Tensor, b: torch.Tensor | None = None) -> float:
     same = b is None or (b.shape == a.shape and b.device == a.device)
     flat32 = same and all(t.dtype == torch.float32 and not t.is_sparse for t in pair)
     return route(a, "auto", squared_sum_ref, None, squared_sum_cpu if flat32 else None)(a, b)
+
+
+def dense(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` as a strided tensor (a sparse one, an ``Embedding(sparse=True)``'s, made
+    dense: the error statistics compare gradients element by element).
+
+    Example:
+        >>> dense(torch.eye(2).to_sparse()).layout
+        torch.strided
+    """
+    return grad if grad.layout == torch.strided else grad.to_dense()
