@@ -137,6 +137,7 @@ def test_acgc_fits_and_calibrates(name: str) -> None:
     assert math.isfinite(float(trainer.callback_metrics["train_loss"]))
     error = trainer.callback_metrics.get("acgc/grad_error")
     assert error is not None and math.isfinite(float(error))
+    assert float(trainer.callback_metrics["acgc/ratio"]) > 1.5  # a skipped step: not 1.0
 
 
 @pytest.mark.parametrize("policy", [p for p in available_policies() if p != "acgc"])

@@ -329,9 +329,10 @@ class ActivationCompression(Callback):
             return
         stats = self.engine.stats
         log = dict(on_step=True, on_epoch=False, batch_size=1)
-        pl_module.log("acgc/ratio", stats.ratio, prog_bar=True, **log)
-        pl_module.log("acgc/saved_mb", stats.saved_bytes / 2**20, **log)
-        pl_module.log("acgc/packed_mb", stats.packed_bytes / 2**20, **log)
+        if stats.saved_bytes:  # (nothing saved: a step whose training_step returned None)
+            pl_module.log("acgc/ratio", stats.ratio, prog_bar=True, **log)
+            pl_module.log("acgc/saved_mb", stats.saved_bytes / 2**20, **log)
+            pl_module.log("acgc/packed_mb", stats.packed_bytes / 2**20, **log)
         if ended:
             for key, value in self.policy.metrics().items():
                 pl_module.log(f"acgc/{key}", float(value), **log)
