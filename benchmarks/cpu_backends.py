@@ -49,6 +49,16 @@ GROUP, BITS, TOP = 256, 2, 3.0
 NOISE_UNIT = 2.0**-16
 
 
+def _sig(value: float) -> float:
+    """``value`` to 3 significant digits.
+
+    Example:
+        >>> _sig(0.0012345), _sig(60.874)
+        (0.00123, 60.9)
+    """
+    return float(f"{value:.3g}")
+
+
 def quant2_torch(xg: torch.Tensor, kh: int) -> torch.Tensor:
     """The 2-bit codes of ``xg`` (groups as rows of 256, float32, finite) as torch ops:
     ``quant_encode_ref``'s arithmetic for that case, with its hash key ``kh`` (the pair
@@ -167,9 +177,10 @@ def measure(size_mb: float, rounds: int, seed: int = 7) -> dict[str, Any]:
     rows = {
         name: {
             "matches_reference": matches[name],
-            "x_clone": round(statistics.median(times[name]) / clone_med, 2),
-            "x_clone_min": round(min(times[name]) / clone_min, 2),
-            "gbps": round(moved / statistics.median(times[name]) / 1e9, 2),
+            # 3 significant digits: a slow path on a loaded machine is not rounded to 0
+            "x_clone": _sig(statistics.median(times[name]) / clone_med),
+            "x_clone_min": _sig(min(times[name]) / clone_min),
+            "gbps": _sig(moved / statistics.median(times[name]) / 1e9),
         }
         for name in impls
     }
