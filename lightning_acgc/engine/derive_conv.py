@@ -57,7 +57,8 @@ def conv_gain(weight: torch.Tensor) -> float:
 def conv_output(saved: torch.Tensor, base: torch.Tensor, recent: list[Origin]) -> Derivation | None:
     """How to remake ``saved`` (a view of ``base``, a convolution's output) from the
     convolution's input among ``recent``; None where it is not one, its input is not
-    there, it is transposed, or its weight or bias is not a parameter used as it is."""
+    there, it is transposed, or its weight or bias is not a parameter (used as it is, or
+    cast by autocast: :func:`~lightning_acgc.engine.derive_graph.used_param`)."""
     node = base.grad_fn
     if type(node).__name__ != CONV_NODE or base.output_nr != 0:
         return None

@@ -197,9 +197,9 @@ def kept_as_is(
     module_type: str, t: torch.Tensor, frozen: FrozenParameters | None = None
 ) -> str | None:
     """Why the engine keeps floating ``t``, saved in a ``module_type``, as it is whatever
-    the policy: ``"parameter cast"`` (:func:`~lightning_acgc.engine.param_casts.
-    is_parameter_cast`, or a copy of one of the ``frozen`` parameters), ``"norm
-    statistic"`` (:func:`is_norm_statistic`); None where it does not.
+    the policy: ``"parameter cast"`` (a parameter's copy in another dtype: see
+    :mod:`lightning_acgc.engine.param_casts`; ``frozen``: the model's frozen parameters),
+    ``"norm statistic"`` (:func:`is_norm_statistic`); None where it does not.
 
     Example:
         >>> kept_as_is("LayerNorm", torch.zeros(8, 16, 1)), kept_as_is("Linear", torch.zeros(8))
