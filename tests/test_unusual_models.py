@@ -6,6 +6,7 @@ block, a Transformer encoder, and a ``training_step`` that skips batches."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -32,9 +33,14 @@ def _tokens() -> DataLoader:
 
 
 class Classifier(LightningModule):
-    def __init__(self, net: nn.Module, tokens: bool = False, skip_odd: bool = False) -> None:
+    """``net`` trained by cross-entropy on ``data()``; ``skip_odd``: ``training_step``
+    returns None on odd batches."""
+
+    def __init__(
+        self, net: nn.Module, data: Callable[[], DataLoader] = _features, skip_odd: bool = False
+    ) -> None:
         super().__init__()
-        self.net, self.tokens, self.skip_odd = net, tokens, skip_odd
+        self.net, self.data, self.skip_odd = net, data, skip_odd
 
     def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
         if self.skip_odd and batch_idx % 2:
@@ -48,7 +54,7 @@ class Classifier(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
     def train_dataloader(self) -> DataLoader:
-        return _tokens() if self.tokens else _features()
+        return self.data()
 
 
 class MeanTokens(nn.Module):
@@ -88,17 +94,17 @@ def _sparse() -> Classifier:
         nn.Embedding(100, 64, sparse=True), MeanTokens(), nn.Linear(64, 128), nn.ReLU(),
         nn.Linear(128, 2),
     )  # fmt: skip
-    return Classifier(net, tokens=True)
+    return Classifier(net, data=_tokens)
 
 
 MODELS = {
     "sparse_embedding": _sparse,
     "embedding_bag": lambda: Classifier(
         nn.Sequential(nn.EmbeddingBag(100, 64), nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 2)),
-        tokens=True,
+        data=_tokens,
     ),
     "fft": lambda: Classifier(nn.Sequential(nn.Linear(32, 64), Spectrum(), nn.Linear(66, 2))),
-    "tied": lambda: Classifier(Tied(), tokens=True),
+    "tied": lambda: Classifier(Tied(), data=_tokens),
     "weight_norm": lambda: Classifier(
         nn.Sequential(
             nn.utils.parametrizations.weight_norm(nn.Linear(32, 128)), nn.SiLU(), nn.Linear(128, 2)
@@ -121,7 +127,7 @@ MODELS = {
             MeanTokens(),
             nn.Linear(32, 2),
         ),
-        tokens=True,
+        data=_tokens,
     ),
     "skipped_steps": lambda: Classifier(
         nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 2)), skip_odd=True
