@@ -92,8 +92,20 @@ def test_weight_copies_are_kept_so_the_input_gradient_is_exact(frozen: bool) -> 
     with compress_activations(codec="quant", bits=1, model=lin) as stats, _autocast():
         lin(x).float().square().sum().backward()
     torch.testing.assert_close(x.grad, exact, rtol=0, atol=0)
-    kept = {rec.settings for rec in stats.sites.values() if rec.codec == "kept"}
-    assert "parameter cast" in kept and stats.tensors_packed > 0
+    cast = [r for r in stats.sites.values() if r.settings == "cast again from its parameter"]
+    assert cast and all(r.codec == "recomputed" and r.packed_bytes == 0 for r in cast)
+    assert stats.tensors_packed > 0
+
+
+def test_a_parameter_changed_in_place_before_backward_is_an_error() -> None:
+    lin = nn.Linear(64, 512)
+    x = torch.randn(32, 64, requires_grad=True)
+    with compress_activations(codec="quant", bits=4, model=lin), _autocast():
+        y = lin(x).float().square().sum()
+        with torch.no_grad():
+            lin.weight.add_(1.0)
+        with pytest.raises(RuntimeError, match="modified in place between forward"):
+            y.backward()
 
 
 def test_a_frozen_parameter_is_read_again_each_step() -> None:
@@ -133,5 +145,6 @@ def test_acgc_under_bf16_mixed_remakes_the_batch_norm_inputs() -> None:
     fit(Classifier(ConvBN(), data=_images), [cb], max_steps=4, precision="bf16-mixed")
     sites = cb.stats.sites
     assert sites["net.net.4:0"].codec == "recomputed"  # the second BatchNorm's input
-    assert sites["net.net.3:1"].settings == "parameter cast"  # the second conv's weight
+    weight = sites["net.net.3:1"]  # the second conv's weight: nothing held
+    assert weight.settings == "cast again from its parameter" and weight.packed_bytes == 0
     assert cb.stats.ratio > 1.5

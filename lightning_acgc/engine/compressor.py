@@ -330,8 +330,8 @@ class ActivationCompressor(Recomputing):
                 if small or t.dtype != torch.float32 or control:
                     return self._keep(site, t, key, ref, raw, "loss")  # (identity: the control)
                 codec = self._loss_codec  # float16: see EngineSettings.compress_loss
-            elif why := sites.kept_as_is(site.module_type, t, self.tracker.frozen):
-                return self._keep(site, t, key, ref, raw, why)
+            elif (held := self._as_is(site, t, key, ref, raw)) is not None:
+                return held  # a parameter's cast (remade), a norm statistic (kept)
             else:
                 if self.compress_masks and not small and not control and without_history(t):
                     # a dropout's float mask, at 1 bit losslessly; the codec declines any

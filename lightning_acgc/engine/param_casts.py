@@ -4,11 +4,13 @@ hands an op in place of its float32 weight, and what the op then saves.
 Such a copy is the weight as the op used it, not an activation: a lossy copy changes
 every gradient that flows through the op (a 7-bit copy of a ResNet's fc weight alone put
 a bf16-mixed calibration at half its error budget before anything else was compressed).
-The engine keeps them as they are, like the parameters themselves in float32 training
-(reason ``"parameter cast"`` in the per-site table). A copy of a parameter that takes a
-gradient carries the cast in its graph (:func:`is_parameter_cast`); a frozen
-parameter's copy (a LoRA fine-tune's base weights) has no graph, and is recognised by
-its shape and values (:class:`FrozenParameters`).
+Nor need it be held: the engine stores nothing for it and casts the parameter again at
+unpack (the same rounding: bit-identical), so that autocast's weight copies cost the
+step no memory, as the parameters themselves in float32 training ("cast again from its
+parameter" in the per-site table). A copy of a parameter that takes a gradient carries
+the cast in its graph (:func:`cast_parameter`); a frozen parameter's copy (a LoRA
+fine-tune's base weights) has no graph, and is recognised by its shape and values
+(:class:`FrozenParameters`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["FrozenParameters", "is_parameter_cast"]
+__all__ = ["FrozenParameters", "cast_parameter", "is_parameter_cast"]
 
 _SAMPLES = 64  # values compared to tell a frozen parameter's copy
 
@@ -32,11 +34,25 @@ def is_parameter_cast(t: torch.Tensor) -> bool:
         >>> is_parameter_cast(w * 2), is_parameter_cast(w)
         (False, False)
     """
+    return cast_parameter(t) is not None
+
+
+def cast_parameter(t: torch.Tensor) -> torch.Tensor | None:
+    """The parameter ``t`` (or the tensor it views) is a cast of, where it is one that
+    takes a gradient (:func:`is_parameter_cast`); else None.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.randn(4, 4))
+        >>> cast_parameter(w.to(torch.bfloat16).t()) is w, cast_parameter(w * 2)
+        (True, None)
+    """
     base = t._base if t._base is not None else t
     fn = base.grad_fn
     if fn is None or type(fn).__name__ != "ToCopyBackward0":
-        return False
-    return any(type(n).__name__ == "AccumulateGrad" for n, _ in fn.next_functions if n)
+        return None
+    (edge,) = fn.next_functions
+    variable = getattr(edge[0], "variable", None)
+    return variable if isinstance(variable, torch.Tensor) else None
 
 
 class FrozenParameters:
@@ -61,24 +77,33 @@ class FrozenParameters:
         self._by_shape = None
 
     def has_copy(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` (or the tensor it views) has no graph and holds the values of a
-        frozen parameter of its shape cast to ``t``'s other dtype (compared on up to 64
-        evenly spaced values: a saved activation without history of exactly that shape
-        and those values is not met in practice)."""
+        """Whether ``t`` is a copy of a frozen parameter (:meth:`copied`)."""
+        return self.copied(t) is not None
+
+    def source(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The parameter ``t`` is a copy of in another dtype, trained
+        (:func:`cast_parameter`) or frozen (:meth:`copied`); else None."""
+        return cast_parameter(t) if t.grad_fn is not None else self.copied(t)
+
+    def copied(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The frozen parameter ``t`` (or the tensor it views, without a graph) holds
+        the values of, cast to ``t``'s other dtype (compared on up to 64 evenly spaced
+        values: a saved activation without history of exactly that shape and those
+        values is not met in practice); else None."""
         if t.grad_fn is not None or t.requires_grad or self._model is None:
-            return False
+            return None
         base = t._base if t._base is not None else t
         if not base.is_floating_point() or base.numel() == 0:
-            return False
+            return None
         if self._by_shape is None:
             self._by_shape = {}
             for p in self._model.parameters():
                 if not p.requires_grad and p.is_floating_point() and p.numel():
                     self._by_shape.setdefault(tuple(p.shape), []).append(p)
-        return any(
-            p.dtype != base.dtype and p.device == base.device and _same_values(p, base)
-            for p in self._by_shape.get(tuple(base.shape), ())
-        )
+        for p in self._by_shape.get(tuple(base.shape), ()):
+            if p.dtype != base.dtype and p.device == base.device and _same_values(p, base):
+                return p
+        return None
 
 
 def _same_values(param: torch.Tensor, copy: torch.Tensor) -> bool:

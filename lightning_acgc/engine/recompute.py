@@ -10,7 +10,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from lightning_acgc.engine import derive, exact, extremum
+from lightning_acgc.engine import derive, exact, extremum, sites
+from lightning_acgc.engine.derive_graph import placed
 from lightning_acgc.engine.meter import SiteRecord
 from lightning_acgc.engine.product_choice import ProductChoice
 from lightning_acgc.engine.saved import Saved
@@ -71,6 +72,32 @@ class Recomputing:
             self.stats.packed_bytes += stored
         self._dedup[key] = (ref, weakref.ref(saved))
         return saved, self._record(site, t, "recomputed", settings, raw, stored)
+
+    def _as_is(self, site: SiteInfo, t: torch.Tensor, key: tuple, ref: Any, raw: int) -> Any:
+        """What the engine holds for ``t`` whatever the policy, or None: a parameter's copy
+        in another dtype (:mod:`~lightning_acgc.engine.param_casts`) stored as nothing
+        and cast again from the parameter at unpack (bit-identical); a norm statistic
+        (:func:`~lightning_acgc.engine.sites.is_norm_statistic`) kept as it is."""
+        param = self.tracker.frozen.source(t)
+        if param is None:
+            if not sites.is_norm_statistic(site.module_type, t):
+                return None
+            return self._keep(site, t, key, ref, raw, "norm statistic")
+        base = t._base if t._base is not None else t
+        view, dtype, version = placed(t, base), base.dtype, param._version
+
+        def cast_again(p: torch.Tensor) -> torch.Tensor:
+            if p._version != version:
+                raise RuntimeError(
+                    "lightning_acgc: a parameter was modified in place between forward and "
+                    "backward; its copy in another dtype (autocast's), cast again at unpack, "
+                    "would not be the one forward used"
+                )
+            with torch.no_grad():
+                return view(p.detach().to(dtype))
+
+        settings = "cast again from its parameter"
+        return self._recomputed(site, t, key, ref, raw, [param], cast_again, settings)[0]
 
     def _comparing(self, site: SiteInfo, t: torch.Tensor, key: tuple, ref: Any, raw: int) -> Any:
         """A reduction result its backward compares with its inputs (amax, ...; see

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_acgc.engine.param_casts import FrozenParameters, is_parameter_cast
+from lightning_acgc.engine.param_casts import FrozenParameters
 
 __all__ = ["NORM_TYPES", "ModuleTracker", "SiteInfo", "is_norm_statistic", "saved_by_checkpoint"]
 
@@ -191,23 +191,6 @@ def is_leaf_parameter(t: torch.Tensor) -> bool:
     """A leaf that requires grad (a parameter), or a view of one."""
     base = t._base if t._base is not None else t
     return base.is_leaf and base.requires_grad
-
-
-def kept_as_is(
-    module_type: str, t: torch.Tensor, frozen: FrozenParameters | None = None
-) -> str | None:
-    """Why the engine keeps floating ``t``, saved in a ``module_type``, as it is whatever
-    the policy: ``"parameter cast"`` (a parameter's copy in another dtype: see
-    :mod:`lightning_acgc.engine.param_casts`; ``frozen``: the model's frozen parameters),
-    ``"norm statistic"`` (:func:`is_norm_statistic`); None where it does not.
-
-    Example:
-        >>> kept_as_is("LayerNorm", torch.zeros(8, 16, 1)), kept_as_is("Linear", torch.zeros(8))
-        ('norm statistic', None)
-    """
-    if is_parameter_cast(t) or (frozen is not None and frozen.has_copy(t)):
-        return "parameter cast"
-    return "norm statistic" if is_norm_statistic(module_type, t) else None
 
 
 def is_norm_statistic(module_type: str, x: torch.Tensor) -> bool:
