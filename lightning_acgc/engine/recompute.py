@@ -76,9 +76,11 @@ class Recomputing:
     def _as_is(self, site: SiteInfo, t: torch.Tensor, key: tuple, ref: Any, raw: int) -> Any:
         """What the engine holds for ``t`` whatever the policy, or None: a parameter's copy
         in another dtype (:mod:`~lightning_acgc.engine.param_casts`) stored as nothing
-        and cast again from the parameter at unpack (bit-identical); a norm statistic
+        and cast again from the parameter at unpack (bit-identical; under the identity
+        control, held as plain autograd holds it); a norm statistic
         (:func:`~lightning_acgc.engine.sites.is_norm_statistic`) kept as it is."""
-        param = self.tracker.frozen.source(t)
+        control = getattr(self.policy, "control", False)  # the identity: all held as is
+        param = None if control else self.tracker.frozen.source(t)
         if param is None:
             if not sites.is_norm_statistic(site.module_type, t):
                 return None
