@@ -16,7 +16,7 @@ from lightning_acgc import ActivationCompression, compress_activations
 from lightning_acgc.engine.derive import Origin
 from lightning_acgc.engine.derive_conv import conv_gain, conv_output
 from lightning_acgc.engine.derive_linear import linear_gain, linear_output
-from lightning_acgc.engine.param_casts import FrozenParameters, is_parameter_cast
+from lightning_acgc.engine.param_casts import FrozenParameters, cast_parameter
 from tests._lightning_models import fit
 from tests.test_unusual_models import Classifier
 
@@ -64,9 +64,9 @@ def test_parameter_casts_are_told_from_other_casts() -> None:
     w = nn.Parameter(torch.randn(4, 4))
     with _autocast():
         y = F.linear(torch.randn(2, 4), w)
-    assert is_parameter_cast(w.to(BF16)) and is_parameter_cast(w.to(BF16).t()[1:])
-    assert not is_parameter_cast((w * 2).to(BF16)) and not is_parameter_cast(y)
-    assert not is_parameter_cast(w.detach().to(BF16))  # no graph: nothing to tell it by
+    assert cast_parameter(w.to(BF16)) is w and cast_parameter(w.to(BF16).t()[1:]) is w
+    assert cast_parameter((w * 2).to(BF16)) is None and cast_parameter(y) is None
+    assert cast_parameter(w.detach().to(BF16)) is None  # no graph: nothing to tell it by
 
 
 def test_a_computed_weight_is_still_not_remade_under_autocast() -> None:
@@ -112,12 +112,12 @@ def test_a_frozen_parameter_is_read_again_each_step() -> None:
     lin = nn.Linear(8, 8)
     frozen = FrozenParameters(lin)
     copy = lin.weight.detach().to(BF16)
-    assert not frozen.has_copy(copy)  # it takes a gradient: its copy has a graph
+    assert frozen.copied(copy) is None  # it takes a gradient: its copy has a graph
     lin.requires_grad_(False)
-    assert not frozen.has_copy(copy)  # not read again yet
+    assert frozen.copied(copy) is None  # not read again yet
     frozen.refresh()
-    assert frozen.has_copy(copy) and not frozen.has_copy(copy * 2)
-    assert not frozen.has_copy(lin.weight.detach().clone())  # its own dtype: not a copy
+    assert frozen.copied(copy) is lin.weight and frozen.copied(copy * 2) is None
+    assert frozen.copied(lin.weight.detach().clone()) is None  # its own dtype: not a copy
 
 
 class ConvBN(nn.Module):

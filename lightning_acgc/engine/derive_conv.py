@@ -84,7 +84,7 @@ def conv_output(saved: torch.Tensor, base: torch.Tensor, recent: list[Origin]) -
     groups = int(node._saved_groups)  # type: ignore[union-attr]
     stride, padding, dilation, output_padding = args
     view = placed(saved, base)
-    unchanged = check_unchanged("a convolution", weight, bias)
+    unchanged = check_unchanged("a convolution's weight or bias", weight, bias)
 
     def fn(x_hat: torch.Tensor) -> torch.Tensor:
         unchanged()

@@ -9,6 +9,8 @@ from typing import NamedTuple
 
 import torch
 
+from lightning_acgc.engine.param_casts import cast_source
+
 __all__ = [
     "Derivation",
     "Origin",
@@ -115,25 +117,24 @@ def used_param(edge: tuple[object, int]) -> torch.Tensor | bool | None:
         >>> used_param((w.to(torch.bfloat16).grad_fn, 0)) is w
         True
     """
-    node = edge[0]
-    if type(node).__name__ == "ToCopyBackward0":
-        (inner,) = node.next_functions  # type: ignore[attr-defined]
-        param = affine_param(inner)
-        return param if isinstance(param, torch.Tensor) else False
+    if type(edge[0]).__name__ == "ToCopyBackward0":
+        param = cast_source(edge[0])
+        return param if param is not None else False
     return affine_param(edge)
 
 
 def check_unchanged(what: str, *params: torch.Tensor | None) -> Callable[[], None]:
     """A check, run at unpack, that ``params`` (an op's weight and bias, read again to
-    remake its output) were not modified in place since forward; raises naming ``what``.
-    Autograd checks the tensors it saved, not a bias that only the remaking reads."""
+    remake its output; a parameter cast again for autocast) were not modified in place
+    since forward; raises naming ``what`` (what they are). Autograd checks the tensors it
+    saved, not a bias that only the remaking reads."""
     versions = tuple(-1 if p is None else p._version for p in params)
 
     def check() -> None:
         if tuple(-1 if p is None else p._version for p in params) != versions:
             raise RuntimeError(
-                f"{what}'s weight or bias was modified in place between forward and "
-                "backward: its output, remade at unpack, would not be the forward's"
+                f"lightning_acgc: {what} was modified in place between forward and "
+                "backward: what is remade from it at unpack would not be the forward's"
             )
 
     return check

@@ -109,7 +109,7 @@ def linear_output(
     beta = float(getattr(node, "_saved_beta", 1)) if with_bias else 1.0
     view = placed(saved, base)
 
-    unchanged = check_unchanged("a Linear", weight, bias)
+    unchanged = check_unchanged("a Linear's weight or bias", weight, bias)
 
     def fn(x_hat: torch.Tensor) -> torch.Tensor:
         unchanged()

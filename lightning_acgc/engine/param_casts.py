@@ -18,39 +18,35 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["FrozenParameters", "cast_parameter", "is_parameter_cast"]
+__all__ = ["FrozenParameters", "cast_parameter", "cast_source"]
 
 _SAMPLES = 64  # values compared to tell a frozen parameter's copy
 
 
-def is_parameter_cast(t: torch.Tensor) -> bool:
-    """A parameter that takes a gradient, cast to another dtype for this forward, or a
-    view of such a cast (``ToCopyBackward0`` of a leaf in the graph).
-
-    Example:
-        >>> w = torch.nn.Parameter(torch.randn(4, 4))
-        >>> is_parameter_cast(w.to(torch.bfloat16)), is_parameter_cast(w.to(torch.bfloat16).t())
-        (True, True)
-        >>> is_parameter_cast(w * 2), is_parameter_cast(w)
-        (False, False)
-    """
-    return cast_parameter(t) is not None
-
-
 def cast_parameter(t: torch.Tensor) -> torch.Tensor | None:
-    """The parameter ``t`` (or the tensor it views) is a cast of, where it is one that
-    takes a gradient (:func:`is_parameter_cast`); else None.
+    """The parameter ``t`` (or the tensor it views) is a cast of, for this forward,
+    where it is one that takes a gradient; else None.
 
     Example:
         >>> w = torch.nn.Parameter(torch.randn(4, 4))
         >>> cast_parameter(w.to(torch.bfloat16).t()) is w, cast_parameter(w * 2)
         (True, None)
     """
-    base = t._base if t._base is not None else t
-    fn = base.grad_fn
-    if fn is None or type(fn).__name__ != "ToCopyBackward0":
+    return cast_source((t._base if t._base is not None else t).grad_fn)
+
+
+def cast_source(node: object) -> torch.Tensor | None:
+    """The leaf that the autograd node ``node`` casts (a ``ToCopyBackward0`` whose input
+    accumulates into a parameter); else None.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.randn(2))
+        >>> cast_source(w.half().grad_fn) is w, cast_source((w * 2).grad_fn)
+        (True, None)
+    """
+    if type(node).__name__ != "ToCopyBackward0":
         return None
-    (edge,) = fn.next_functions
+    (edge,) = node.next_functions  # type: ignore[attr-defined]
     variable = getattr(edge[0], "variable", None)
     return variable if isinstance(variable, torch.Tensor) else None
 
@@ -62,10 +58,10 @@ class FrozenParameters:
     Example:
         >>> base = torch.nn.Linear(4, 3).requires_grad_(False)
         >>> frozen = FrozenParameters(base)
-        >>> frozen.has_copy(base.weight.to(torch.bfloat16).t())
+        >>> frozen.copied(base.weight.to(torch.bfloat16).t()) is base.weight
         True
-        >>> frozen.has_copy(torch.zeros(3, 4, dtype=torch.bfloat16))
-        False
+        >>> frozen.copied(torch.zeros(3, 4, dtype=torch.bfloat16)) is None
+        True
     """
 
     def __init__(self, model: nn.Module | None) -> None:
@@ -73,12 +69,8 @@ class FrozenParameters:
         self._by_shape: dict[tuple[int, ...], list[torch.Tensor]] | None = None
 
     def refresh(self) -> None:
-        """Read the model's frozen parameters again on the next :meth:`has_copy`."""
+        """Read the model's frozen parameters again on the next :meth:`copied`."""
         self._by_shape = None
-
-    def has_copy(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` is a copy of a frozen parameter (:meth:`copied`)."""
-        return self.copied(t) is not None
 
     def source(self, t: torch.Tensor) -> torch.Tensor | None:
         """The parameter ``t`` is a copy of in another dtype, trained

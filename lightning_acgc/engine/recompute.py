@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import torch
 
 from lightning_acgc.engine import derive, exact, extremum, sites
-from lightning_acgc.engine.derive_graph import placed
+from lightning_acgc.engine.derive_graph import check_unchanged, placed
 from lightning_acgc.engine.meter import SiteRecord
 from lightning_acgc.engine.product_choice import ProductChoice
 from lightning_acgc.engine.saved import Saved
@@ -86,15 +86,11 @@ class Recomputing:
                 return None
             return self._keep(site, t, key, ref, raw, "norm statistic")
         base = t._base if t._base is not None else t
-        view, dtype, version = placed(t, base), base.dtype, param._version
+        view, dtype = placed(t, base), base.dtype
+        unchanged = check_unchanged("a parameter whose autocast copy is cast again", param)
 
         def cast_again(p: torch.Tensor) -> torch.Tensor:
-            if p._version != version:
-                raise RuntimeError(
-                    "lightning_acgc: a parameter was modified in place between forward and "
-                    "backward; its copy in another dtype (autocast's), cast again at unpack, "
-                    "would not be the one forward used"
-                )
+            unchanged()
             with torch.no_grad():
                 return view(p.detach().to(dtype))
 

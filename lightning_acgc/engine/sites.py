@@ -80,7 +80,7 @@ class ModuleTracker:
         self._ordinals: dict[str, int] = {}
         self._names: dict[int, str] = {}
         self._thread = threading.get_ident()
-        self.frozen = FrozenParameters(model)  # their copies are kept (param_casts.py)
+        self.frozen = FrozenParameters(model)  # their copies are cast again (param_casts.py)
 
     # -- installation -------------------------------------------------------
     def install(self) -> None:
