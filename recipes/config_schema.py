@@ -72,6 +72,7 @@ class ACGCCompressionSchema(CompressionSchema):
     noise_floor: float | None = MISSING
     probes: int | None = MISSING
     probe_scope: str | None = MISSING
+    rounding_floor: bool = MISSING
     target: float | None = MISSING
     verify: bool = MISSING
 

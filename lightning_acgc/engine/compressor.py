@@ -366,7 +366,7 @@ class ActivationCompressor(Recomputing):
         if packed is None:
             return self._keep(site, t, key, ref, raw, f"{codec.name} declined")
         nbytes = packed.nbytes
-        if nbytes >= part.numel() * part.element_size():
+        if nbytes >= part.numel() * part.element_size() and not getattr(codec, "whole", False):
             return self._keep(site, t, key, ref, raw, f"{codec.name} not smaller")
         saved = Saved(packed, codec, site.key, codec.name, layout=layout)
         self._ledger.hold_packed(saved, nbytes)

@@ -9,44 +9,40 @@ codec setting (:mod:`lightning_acgc.policies.acgc_allocation`) so that the model
 error stays within E = target · e² · ‖g‖² / κ:
 
 * ``codec="quant"`` (default): unbiased stochastic rounding with a width per tensor from
-  1 to 8 bits, 16 (float16: the ``half`` codec) or kept. Its error per element at each width,
-  v_t(b), is measured exactly on calibration steps
-  (:func:`~lightning_acgc.policies.quant_error.sr_variance`); tensors start at the
-  fewest bits that keep every weight op within its own budget, all the tensors that
-  reach it at once (:mod:`~.acgc_joint`), then greedy upgrades (best error
-  reduction per added bit) bring Σ c_t·v_t(b_t) within E; the budget whole widths leave
-  (a bit is ~4x the variance) lowers a share of a tensor's values by one bit (``split``
-  codec, filling at most 0.7 of an own budget: quick ResNet at quant2's error, 9.2x ->
-  9.6x); a tensor at most 2/3 non-zero (a ReLU output) takes its width on its non-zeros
-  only (``nonzero`` codec, :mod:`~.acgc_nonzero`). Unbiased errors average out over a
-  weight op's fan-in: 2-bit quant at 14x has the error ``bounded`` reaches at 7x.
+  1 to 8 bits, 16 (float16: the ``half`` codec) or kept. Its error per element at each
+  width, v_t(b), is measured on calibration steps (:mod:`~.quant_error`); tensors start at
+  the fewest bits that keep every weight op within its own budget, all the tensors that
+  reach it at once (:mod:`~.acgc_joint`), then greedy upgrades (best error reduction per
+  added bit) bring Σ c_t·v_t(b_t) within E; the budget whole widths leave lowers a share
+  of a tensor's values by one bit (``split``); a tensor at most 2/3 non-zero takes its
+  width on its non-zeros only (``nonzero``, :mod:`~.acgc_nonzero`). Unbiased errors
+  average out over a weight op's fan-in: 2-bit quant at 14x has the error ``bounded``
+  reaches at 7x.
 * ``codec="bounded"``: COMET-style |x − x̂| ≤ eb (variance ≤ eb²/3), each tensor's share
-  of E in proportion to its size (the previous default; its calibration is unchanged).
+  of E in proportion to its size.
 
-The error is held per layer too, κ < 1 not loosening those budgets (:mod:`~.acgc_corrections`;
-``quant``: floors on the tensors around a layer over budget, :mod:`~.acgc_floors`, and
-factors the model guesses measured by probes, :mod:`~.acgc_probes`).
+The error is held per layer too (:mod:`~.acgc_corrections`; ``quant``: floors on the
+tensors around a layer over budget, :mod:`~.acgc_floors`, and factors the model guesses
+measured by probes, :mod:`~.acgc_probes`).
 
 Verify, don't trust: with ``verify=True`` the exact gradient is computed on calibration
 steps; its statistics set the settings of the same step's compressed pass, so the logged
 ``grad_error`` = ‖ĝ − g‖/‖g‖ measures the settings in force. κ is the ratio of measured
 to modelled error. With ``quant`` it follows the readings both ways (the geometric mean
-of the last ``history``, aiming the measured error at √target · e ≈ 0.6e; it falls at
-most 2x per reading, as the model's error differs between widths) and jumps at once to
-the latest reading when a measurement exceeds e; until the first reading, the allocation
-aims at ``first_aim`` (1/16) of the budget, as κ's starting value is a guess. With
-``bounded`` it tightens at once and loosens at most 2x per calibration (its eb²/3 is a
-loose upper bound). A measurement above e is logged as ``tightened`` = 1. With
-``verify=False`` the compressed pass's statistics set the following steps' settings and
-κ keeps its value. A noise-relative budget (``noise_ratio`` ρ): :mod:`~.acgc_noise`.
+of the last ``history``; it falls at most 2x per reading) and jumps at once to the
+latest reading when a measurement exceeds e; until the first reading, the allocation
+aims at ``first_aim`` (1/16) of the budget. With ``bounded`` it tightens at once and
+loosens at most 2x per calibration (eb²/3 is a loose upper bound). A measurement above e
+is logged as ``tightened`` = 1. With ``verify=False`` the compressed pass's statistics
+set the following steps' settings and κ keeps its value. A noise-relative budget
+(``noise_ratio`` ρ): :mod:`~.acgc_noise`.
 
-The engine keeps the loss's tensors (``EngineSettings.compress_loss``): their error enters
-δ = p − y, so every layer's gradient, and no module's scope holds it (compressed, it was
-blamed on the blocks: quick ResNet at e = 0.05, 1.8-3.1x; kept, 3.8-4.0x).
+Under 16-bit precision the error is read beyond the backward's own rounding noise,
+measured by one more pass (``rounding_floor``, :mod:`~.acgc_rounding`).
 
-Cost (``calib_ms``): the extra passes (exact, halves, probes) and the policy's own statistics on a
-calibration step, host time; ``calib_share``: that over ``calibrate_every`` ordinary
-steps (timed between :meth:`begin_step` and :meth:`end_step`).
+Cost (``calib_ms``): the extra passes (exact, halves, probes, floor) and the policy's own
+statistics on a calibration step, host time; ``calib_share``: that over ``calibrate_every``
+ordinary steps (timed between :meth:`begin_step` and :meth:`end_step`).
 """
 
 from __future__ import annotations
@@ -78,10 +74,11 @@ from lightning_acgc.policies.acgc_floors import ScopeFloors
 from lightning_acgc.policies.acgc_noise import NoiseBudget, check_budget_options
 from lightning_acgc.policies.acgc_nonzero import NonzeroLayout, rounding_table
 from lightning_acgc.policies.acgc_probes import SensitivityProbes
+from lightning_acgc.policies.acgc_rounding import RoundingFloor
 from lightning_acgc.policies.acgc_state import ACGCState
 from lightning_acgc.policies.base import Reduce
 from lightning_acgc.policies.batch_norm_path import BatchNormPaths
-from lightning_acgc.policies.bit_allocation import HALF, KEEP, LADDER
+from lightning_acgc.policies.bit_allocation import LADDER
 from lightning_acgc.policies.calibrating import CalibratingPolicy
 
 __all__ = ["ACGCPolicy"]
@@ -94,6 +91,7 @@ class ACGCPolicy(
     NoiseBudget,
     ScopeFloors,
     ModelCorrections,
+    RoundingFloor,
     SensitivityProbes,
     NonzeroLayout,
     CalibratingPolicy,
@@ -122,6 +120,8 @@ class ACGCPolicy(
             ``max_probes``, 8; :mod:`~lightning_acgc.policies.acgc_probes`).
         probe_scope: which classes: ``"saturating"`` (default: the modules saving a
             softmax, tanh or sigmoid output, e.g. attention) or ``"all"``.
+        rounding_floor: under 16-bit precision, read each error beyond the gradient's own
+            rounding noise (one more pass per calibration; :mod:`~.acgc_rounding`).
         config: the codec and its backend: ``quant`` (default; per-tensor bit widths,
             stochastic rounding) or ``bounded`` (error bounds), given as ``codec=`` when
             built by name (``build_policy("acgc", codec="bounded")``).
@@ -140,7 +140,7 @@ class ACGCPolicy(
     options = (
         "gradient_error", "calibrate_every", "verify", "warmup_steps", "history",
         "initial_relative_bound", "group_size", "target", "noise_ratio", "layer_floor",
-        "noise_floor", "probes", "probe_scope",
+        "noise_floor", "probes", "probe_scope", "rounding_floor",
     )  # fmt: skip
     initial_width = 8  # quant: width before the first calibration and for unseen sites
     # quant: the first allocation aims at this share of the budget (κ unmeasured: on
@@ -163,6 +163,7 @@ class ACGCPolicy(
         noise_floor: float | None = None,
         probes: int | None = None,
         probe_scope: str | None = None,
+        rounding_floor: bool = True,
         config: CodecSpec | None = None,
     ) -> None:
         self._arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
@@ -176,6 +177,8 @@ class ACGCPolicy(
         check_int("warmup_steps", warmup_steps, 1)
         check_int("history", history, 1)
         self.set_probes(probes, probe_scope)
+        if not isinstance(rounding_floor, bool):
+            raise ValueError(f"rounding_floor={rounding_floor!r} must be True or False")
         if not 0 < initial_relative_bound < 1:
             raise ValueError(f"initial_relative_bound={initial_relative_bound!r} must be in (0, 1)")
         target = target if target is not None else 0.35
@@ -186,6 +189,7 @@ class ACGCPolicy(
         self.noise_floor = None if noise_floor is None else float(noise_floor)
         self.calibrate_every = calibrate_every
         self.verify = verify
+        self.rounding_floor = rounding_floor
         self.warmup_steps = warmup_steps
         self.history = history
         self.initial_relative_bound = initial_relative_bound
@@ -243,17 +247,12 @@ class ACGCPolicy(
         if self._calibrating:
             start = time.perf_counter()
             self.note_tensor(site, x)  # a norm input's spread, a saturating output
+            self.note_precision(x)
             if self.codec == "quant":
                 self._pending_var[site.key] = rounding_table(x, self.group_size)
                 self._raw_bits[site.key] = 8 * x.element_size()
             self._calib_s += time.perf_counter() - start
-        if self.codec == "bounded":
-            return self._bounded_for(site.key, self.bounds, self.initial_relative_bound)
-        bits = self.site_bits.get(site.key)
-        bits = self.first_width(site) if bits is None else bits
-        if bits in (KEEP, HALF):
-            return None if bits == KEEP else self._codec("half")
-        return self.quant_codec(site.key, bits, self.site_split.get(site.key, 0.0))
+        return self.settings_codec(site, x)
 
     # -- calibration cycle ------------------------------------------------------
     def begin_step(self, step: int) -> None:
@@ -304,6 +303,7 @@ class ACGCPolicy(
         for k in variances:  # each table, then the share of non-zero values
             self._variances[k] = [flat[f"{k}\0{i}"] for i in range(len(LADDER))]
             self._nonzero[k] = flat[f"{k}\0{len(LADDER)}"]
+        module_err = self.beyond_floor(module_err, sum(module_g.values()))
         g_sq, err_sq = sum(module_g.values()), sum(module_err.values())
         if self.engine is not None:
             self._structure = {

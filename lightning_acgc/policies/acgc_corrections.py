@@ -127,7 +127,9 @@ class ModelCorrections:
             # an unknown factor. κ loosens by the most allowed, and no reading is kept (a
             # clamped one held the mean down for ``history`` calibrations, halving κ to 3x
             # under the next readings, and e = 0.01 broke a layer's budget by 1.5x)
-            self.kappa /= self.max_loosening
+            # Within a measured rounding floor (acgc_rounding: a 16-bit backward) the error
+            # is under the precision's own noise: the first aim climbs 4x per calibration
+            self.kappa /= self.max_loosening ** (2 if self._floor_sq else 1)
             return self.kappa / before
         reading = max(err_sq / self._predicted, 1e-3)
         self._readings.append(reading)

@@ -176,7 +176,7 @@ class SensitivityProbes:
             return
         sens = average({k: self._sens[k] for k in probed if k in self._sens})
         probed = {k: v for k, v in probed.items() if k in sens and sens[k][2] > 0}
-        err = per_module_sq_diff(grads, self._exact)
+        err = self.beyond_floor(per_module_sq_diff(grads, self._exact))  # (acgc_rounding)
         factors: dict[str, dict[str, float]] = {k: {} for k in probed}
         for module, e in err.items():
             if probed and e > 0 and math.isfinite(e):

@@ -7,18 +7,20 @@ import dataclasses
 from collections import deque
 from typing import Any
 
+import torch
 from torch import nn
 
 from lightning_acgc.codecs.base import Codec
 from lightning_acgc.engine.meter import SiteRecord
-from lightning_acgc.policies.bit_allocation import KEEP, LADDER
+from lightning_acgc.engine.sites import SiteInfo
+from lightning_acgc.policies.bit_allocation import HALF, KEEP, LADDER
 from lightning_acgc.policies.error_model import SATURATING_TYPES, SOFTMAX_TYPES
 
 __all__ = ["ACGCState"]
 
 
 class ACGCState:
-    """``state_dict``/``load_state_dict``, ``site_settings`` and ``describe`` of
+    """``state_dict``/``load_state_dict``, ``site_settings``, ``settings_codec`` and ``describe`` of
     :class:`~lightning_acgc.policies.acgc.ACGCPolicy` (a mixin over its attributes)."""
 
     history: int
@@ -128,6 +130,16 @@ class ACGCState:
             k: "kept" if b == KEEP else f"bits={b - self.site_split.get(k, 0.0):g}"
             for k, b in sorted(self.site_bits.items())
         }
+
+    def settings_codec(self, site: SiteInfo, x: torch.Tensor) -> Codec | None:
+        """The codec of the settings in force for ``site`` (``None``: kept as it is)."""
+        if self.codec == "bounded":
+            return self._bounded_for(site.key, self.bounds, self.initial_relative_bound)
+        bits = self.site_bits.get(site.key)
+        bits = self.first_width(site) if bits is None else bits
+        if bits in (KEEP, HALF):
+            return None if bits == KEEP else self._codec("half")
+        return self.quant_codec(site.key, bits, self.site_split.get(site.key, 0.0))
 
     def describe(self, codec: Codec) -> str:
         if codec.name == "quant":

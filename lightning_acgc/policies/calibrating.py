@@ -66,9 +66,9 @@ class CalibratingPolicy(Policy):
         return self._codec("bounded", error_bound=bound, relative=False, **options)
 
     def describe(self, codec: Codec) -> str:
-        cfg = codec.config
         if codec.name != "bounded":
             return super().describe(codec)
+        cfg = codec.config
         return f"{'rel' if cfg.relative else 'eb'}={cfg.error_bound:.3g}"
 
     @property
