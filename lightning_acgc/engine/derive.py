@@ -15,7 +15,9 @@ with the ReLU's mask kept exactly), are remade the same way: see
 and v, a feed-forward's pre-activation) from the Linear's saved input, with the product
 made again: see :mod:`lightning_acgc.engine.derive_linear`; a convolution's output that
 a BatchNorm saves: see :mod:`lightning_acgc.engine.derive_conv`; and a dropout's output
-from its input and its mask: see :mod:`lightning_acgc.engine.derive_dropout`.
+from its input and its mask: see :mod:`lightning_acgc.engine.derive_dropout`; autocast's
+16-bit copy of an activation's, a LayerNorm's or a dropout's output, cast again from the
+output remade: see :mod:`lightning_acgc.engine.derive_cast`.
 
 ``y``'s error is then ``f'(x)·(x̂ − x)`` (LayerNorm: ``(x̂ − x)·γ/σ``): ``x``'s rounding
 times ``f'(x)²`` in variance. :attr:`Derivation.gain` measures that factor's mean (about
@@ -45,8 +47,16 @@ from lightning_acgc.engine.derive_batch_norm import (
     batch_norm_output,
     relu_output,
 )
+from lightning_acgc.engine.derive_cast import CAST_NODE, Unsaved, cast_output, casts_activation
 from lightning_acgc.engine.derive_conv import CONV_NODE, conv_output
-from lightning_acgc.engine.derive_dropout import Locate, dropout_output, scaled
+from lightning_acgc.engine.derive_dropout import (
+    MUL_NODE,
+    NATIVE_DROPOUT_NODE,
+    Locate,
+    dropout_output,
+    scaled,
+    scaled_node,
+)
 from lightning_acgc.engine.derive_graph import Derivation, Origin, affine_param, find, placed
 from lightning_acgc.engine.derive_linear import (
     LAYOUT_NODES,
@@ -63,6 +73,7 @@ __all__ = [
     "derivative_gain",
     "derive_plan",
     "derived_output",
+    "unsaved_like",
 ]
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
@@ -118,6 +129,10 @@ ELEMENTWISE_NODES: dict[str, Callable[[object], Fn]] = {
 }
 LAYER_NORM_NODE = "NativeLayerNormBackward0"
 DERIVABLE_NODES = frozenset({*ELEMENTWISE_NODES, LAYER_NORM_NODE, BATCH_NORM_NODE, RELU_NODE})
+# what a saved cast may be remade from (derive_cast): an output no op saved (MUL_NODE: a
+# dropout's x·mask, where one factor has no history)
+DROPOUT_NODES = frozenset({NATIVE_DROPOUT_NODE, MUL_NODE})
+CAST_SOURCES = frozenset({*ELEMENTWISE_NODES, LAYER_NORM_NODE, *DROPOUT_NODES})
 
 
 def _activation(
@@ -207,12 +222,22 @@ def unsaved_input(
     return None
 
 
+def unsaved_like(like: Unsaved, recent: list[Origin]) -> Derivation | None:
+    """:func:`unsaved_input` of the tensor ``like`` stands for."""
+    return unsaved_input(like.grad_fn, like.output_nr, like, recent)  # type: ignore[arg-type]
+
+
 def derived_output(saved: torch.Tensor) -> bool:
     """Whether ``saved`` (or the tensor it is a view of) is an activation's, a norm's or
     a ReLU's output that :func:`derive_plan` may remake (a cheap test, before any
     search)."""
     base = saved if saved._base is None else saved._base
     kind = type(base.grad_fn).__name__
+    if kind == CAST_NODE:  # autocast's copy of an activation (derive_cast)
+        if not casts_activation(base, CAST_SOURCES):
+            return False
+        inner = base.grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+        return type(inner).__name__ != MUL_NODE or scaled_node(inner)  # (x·mask only)
     if kind == RELU_NODE:  # every ReLU output saved: only those of a BatchNorm or a sum
         edges = base.grad_fn.next_functions  # type: ignore[union-attr]
         return len(edges) == 1 and type(edges[0][0]).__name__ in (BATCH_NORM_NODE, ADD_NODE)
@@ -240,6 +265,8 @@ def derive_plan(
     kind = type(base.grad_fn).__name__
     if kind in LINEAR_NODES or kind in LAYOUT_NODES:  # (one walk of the layout chain)
         return linear_output(saved, base, recent) if products and base.is_contiguous() else None
+    if kind == CAST_NODE:
+        return _cast(saved, base, recent, locate) if derived_output(saved) else None
     if not derived_output(saved) or not base.is_contiguous():
         return None
     if kind == LAYER_NORM_NODE:
@@ -255,6 +282,23 @@ def derive_plan(
             return None
         return dropout_output(saved, base, recent, locate, unsaved_input)
     return _activation(saved, base, recent)
+
+
+def _cast(
+    saved: torch.Tensor, base: torch.Tensor, recent: list[Origin], locate: Locate | None
+) -> Derivation | None:
+    """A saved cast of an activation's, a LayerNorm's or a dropout's output (derive_cast)."""
+    if type(base.grad_fn.next_functions[0][0]).__name__ not in DROPOUT_NODES:  # type: ignore[union-attr]
+        return cast_output(saved, base, recent, unsaved_like)
+    if locate is None:
+        return None
+
+    def dropped(like: Unsaved, recent: list[Origin]) -> Derivation | None:
+        if not scaled(like):  # type: ignore[arg-type]  # (a product of two activations)
+            return None
+        return dropout_output(like, like, recent, locate, unsaved_input)  # type: ignore[arg-type]
+
+    return cast_output(saved, base, recent, dropped)
 
 
 def derivative_gain(fn: Fn, x: torch.Tensor, samples: int = 4096) -> float:

@@ -39,7 +39,14 @@ import torch
 
 from lightning_acgc.engine.derive_graph import Derivation, Origin, find, placed
 
-__all__ = ["MUL_NODE", "NATIVE_DROPOUT_NODE", "dropout_output", "scaled", "without_history"]
+__all__ = [
+    "MUL_NODE",
+    "NATIVE_DROPOUT_NODE",
+    "dropout_output",
+    "scaled",
+    "scaled_node",
+    "without_history",
+]
 
 MUL_NODE = "MulBackward0"
 NATIVE_DROPOUT_NODE = "NativeDropoutBackward0"  # fused: saves a bool mask and p
@@ -65,7 +72,11 @@ def without_history(t: torch.Tensor) -> bool:
 def scaled(base: torch.Tensor) -> bool:
     """A cheap test: ``base`` is a dropout's output, or a product ``x·c`` of which one
     factor has no autograd history."""
-    node = base.grad_fn
+    return scaled_node(base.grad_fn)
+
+
+def scaled_node(node: object) -> bool:
+    """:func:`scaled` of the tensor autograd node ``node`` made."""
     kind = type(node).__name__
     if kind == NATIVE_DROPOUT_NODE:
         return True
