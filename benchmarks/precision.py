@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         models[name] = {"description": recipe.description, "configs": rows}
     result = {
         "benchmark": "precision",
-        "quick": args.quick,
+        "mode": "quick" if args.quick else "full",
         "calibrations": args.calibrations,
         "models": models,
         **machine(device),

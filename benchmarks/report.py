@@ -34,6 +34,7 @@ from benchmarks._codec_tables import backends_table, codec_bars, codecs_table
 from benchmarks._fit_tables import fit_time_bars, fit_time_table
 from benchmarks._gpu_tables import gpu_section, is_gpu_line
 from benchmarks._margin_tables import margin_table
+from benchmarks._precision_tables import precision_table
 from benchmarks._tables import (
     accuracy_table,
     bars,
@@ -249,6 +250,14 @@ def render(results: Path = RESULTS, mode: str = "auto") -> str:
         "at the default e) that kept the promise (`benchmarks/margin.py`)",
         picked.get("margin"),
         margin_table(picked.get("margin")),
+    )
+    lines += _section(
+        "acgc in bf16-mixed training beside float32, at the same weights and batch: bytes "
+        "saved and held, the last calibration's κ and rounding floor, and one ordinary "
+        "step's gradient error against its own precision's exact gradient and against "
+        "float32's (`benchmarks/precision.py`)",
+        picked.get("precision"),
+        precision_table(picked.get("precision")),
     )
     lines += _section(
         "Codec speed: encode and decode as a multiple of `x.clone()` of the same tensor",

@@ -51,6 +51,7 @@ BENCHMARKS = (
     "bn_error_model",
     "promise",
     "margin",
+    "precision",
 )
 # The benchmarks that repeat interleaved rounds (``--rounds``; each has its own default).
 ROUNDS = ("speed", "fit_time", "codecs", "cpu_backends")

@@ -148,3 +148,29 @@ def test_acgc_under_bf16_mixed_remakes_the_batch_norm_inputs() -> None:
     weight = sites["net.net.3:1"]  # the second conv's weight: nothing held
     assert weight.settings == "cast again from its parameter" and weight.packed_bytes == 0
     assert cb.stats.ratio > 1.5
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_the_batch_s_16_bit_copy_is_cast_again_from_the_batch(view: bool) -> None:
+    """A bf16 first layer saves autocast's copy of the batch, which plain autograd holds
+    beside the batch: stored as nothing, cast again at unpack (bit-identical), and the
+    first layer's weight gradient is the plain one at 1 bit a value everywhere else."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 32)
+    x = torch.randn(4, 6, 16) if view else torch.randn(24, 16)  # 3-D: a view is saved
+    with _autocast():
+        lin(x).float().square().sum().backward()
+    exact = lin.weight.grad.clone()
+    lin.weight.grad = None
+    with compress_activations(codec="quant", bits=1, model=lin, inputs=x) as stats, _autocast():
+        lin(x).float().square().sum().backward()
+    torch.testing.assert_close(lin.weight.grad, exact, rtol=0, atol=0)
+    rec = stats.sites[":0"]  # (the root module's first site; its weight's copy is :1)
+    assert rec.settings == "cast again from the step's input" and rec.packed_bytes == 0
+    # not the batch (another tensor of its shape, no history): packed as usual
+    with (
+        compress_activations(codec="quant", bits=1, model=lin, inputs=torch.randn(24, 16)) as stats,
+        _autocast(),
+    ):
+        lin(x).float().square().sum().backward()
+    assert all(r.settings != "cast again from the step's input" for r in stats.sites.values())

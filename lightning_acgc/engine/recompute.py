@@ -37,11 +37,12 @@ class Recent(NamedTuple):
 
 class Recomputing:
     """Mixin of :class:`~lightning_acgc.engine.compressor.ActivationCompressor`; uses its
-    ``policy``, ``_recent``, ``_dedup``, ``_keep`` and ``_record``. Whether the policy
+    ``policy``, ``inputs``, ``_recent``, ``_dedup``, ``_keep`` and ``_record``. Whether the policy
     derives outputs is read at each save: the batch-size search swaps the policy for the
     identity control for a while. ``_products`` holds which products are remade."""
 
     policy: Any
+    inputs: Any  # the step's batch (engine/step_inputs.py)
     _recent: Any
     _dedup: dict[tuple, tuple[Any, weakref.ReferenceType]]
     _ledger: Any
@@ -75,27 +76,33 @@ class Recomputing:
 
     def _as_is(self, site: SiteInfo, t: torch.Tensor, key: tuple, ref: Any, raw: int) -> Any:
         """What the engine holds for ``t`` whatever the policy, or None: a parameter's copy
-        in another dtype (:mod:`~lightning_acgc.engine.param_casts`) stored as nothing
-        and cast again from the parameter at unpack (bit-identical; under the identity
-        control, held as plain autograd holds it); a norm statistic
+        in another dtype (:mod:`~lightning_acgc.engine.param_casts`), or the batch's
+        (:meth:`~lightning_acgc.engine.step_inputs.StepInputs.cast_source`), stored as
+        nothing and cast again at unpack (bit-identical; under the identity control, held
+        as plain autograd holds it); a norm statistic
         (:func:`~lightning_acgc.engine.sites.is_norm_statistic`) kept as it is."""
         control = getattr(self.policy, "control", False)  # the identity: all held as is
         param = None if control else self.tracker.frozen.source(t)
-        if param is None:
+        source = None if control or param is not None else self.inputs.cast_source(t)
+        if param is None and source is None:
             if not sites.is_norm_statistic(site.module_type, t):
                 return None
             return self._keep(site, t, key, ref, raw, "norm statistic")
         base = t._base if t._base is not None else t
         view, dtype = placed(t, base), base.dtype
-        unchanged = check_unchanged("a parameter whose autocast copy is cast again", param)
+        if param is None:  # autocast's copy of the batch (step_inputs.StepInputs.cast_source)
+            settings, unchanged = "cast again from the step's input", _nothing
+        else:
+            settings = "cast again from its parameter"
+            unchanged = check_unchanged("a parameter whose autocast copy is cast again", param)
 
         def cast_again(p: torch.Tensor) -> torch.Tensor:
             unchanged()
             with torch.no_grad():
                 return view(p.detach().to(dtype))
 
-        settings = "cast again from its parameter"
-        return self._recomputed(site, t, key, ref, raw, [param], cast_again, settings)[0]
+        held = param if param is not None else source
+        return self._recomputed(site, t, key, ref, raw, [held], cast_again, settings)[0]
 
     def _comparing(self, site: SiteInfo, t: torch.Tensor, key: tuple, ref: Any, raw: int) -> Any:
         """A reduction result its backward compares with its inputs (amax, ...; see
@@ -216,6 +223,10 @@ class Recomputing:
 
 # on measuring steps the last saves are held as they are (for their gains), no more
 STRONG_WINDOW = 8
+
+
+def _nothing() -> None:
+    """No check (the step's input is not a parameter an optimizer changes in place)."""
 
 
 def _remade(source: Saved | torch.Tensor) -> bool:

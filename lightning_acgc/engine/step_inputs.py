@@ -31,6 +31,7 @@ import torch
 __all__ = ["StepInputs", "tensors_in"]
 
 MAX_DEPTH = 8  # nesting followed into a batch (a dict of lists of tensors is 2)
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
 def tensors_in(batch: Any, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -87,6 +88,38 @@ class StepInputs:
         engine's pack hook has the address at hand)."""
         ref = self._held.get(ptr)
         return ref is not None and ref() is not None
+
+    def cast_source(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The held input of which ``t`` (or the tensor it is a view of) is a 16-bit copy:
+        autocast's cast of the batch for a bf16 first layer (a convolution's images, a
+        graph network's node features), which plain autograd holds beside the batch. Told
+        by value (the input cast to ``t``'s dtype equals it), for a tensor without
+        autograd history of a held input's shape; None otherwise.
+
+        Example:
+            >>> x = torch.randn(4, 3)
+            >>> inputs = StepInputs()
+            >>> inputs.hold([x])
+            >>> inputs.cast_source(x.to(torch.bfloat16)) is x
+            True
+            >>> inputs.cast_source(torch.randn(4, 3).to(torch.bfloat16)) is None
+            True
+        """
+        base = t if t._base is None else t._base
+        if base.grad_fn is not None or base.requires_grad or base.dtype not in SIXTEEN_BIT:
+            return None
+        for ref in self._held.values():
+            x = ref()
+            if (
+                x is not None
+                and x.shape == base.shape
+                and x.device == base.device
+                and x.is_floating_point()
+                and x.dtype != base.dtype
+                and torch.equal(x.to(base.dtype), base)
+            ):
+                return x
+        return None
 
     def storages(self) -> set[int]:
         """The addresses of the held storages whose tensor is alive."""
