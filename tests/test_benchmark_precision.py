@@ -3,7 +3,11 @@ pass and without, and the precision's own error from plain bf16."""
 
 from __future__ import annotations
 
-from benchmarks.precision import CONFIGS, main
+import pytest
+import torch
+
+from benchmarks._harness import build_recipe
+from benchmarks.precision import CONFIGS, main, run_config
 
 
 def test_each_precision_is_measured_at_the_same_weights() -> None:
@@ -21,3 +25,16 @@ def test_each_precision_is_measured_at_the_same_weights() -> None:
     for row in rows.values():
         assert row["vs_fp32_plain"] == round(fp32["saved_mb"] / row["held_mb"], 3)
     assert bf16["ratio"] > 3 and fp32["ratio"] > 3
+
+
+@pytest.mark.slow
+def test_bf16_keeps_no_more_than_float32_where_the_floor_is_read() -> None:
+    """The quick ResNet in bf16-mixed (BatchNorm in bf16: a rounding floor of ~0.5e): read
+    as the codecs' error, κ ran to 17 and acgc held 1.8x float32's bytes; beyond the
+    floor, no more than float32 acgc holds (of activations half as wide)."""
+    recipe = build_recipe("resnet", True, torch.device("cpu"))
+    rows = {c: run_config(recipe, c, 4) for c in ("fp32", "bf16", "bf16_literal")}
+    assert rows["bf16"]["held_mb"] <= 1.1 * rows["fp32"]["held_mb"]
+    assert rows["bf16_literal"]["held_mb"] > 1.3 * rows["bf16"]["held_mb"]
+    assert rows["bf16"]["kappa"][-1] < 2 < rows["bf16_literal"]["kappa"][-1]
+    assert all(0 < f < 0.05 for f in rows["bf16"]["rounding_floor"])
