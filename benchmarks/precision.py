@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "mode": "quick" if args.quick else "full",
         "calibrations": args.calibrations,
         "models": models,
-        **machine(device),
+        "machine": machine(device),
     }
     emit(result)
     return result
