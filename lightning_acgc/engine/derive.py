@@ -294,8 +294,7 @@ def _cast(
         return None
 
     def dropped(like: Unsaved, recent: list[Origin]) -> Derivation | None:
-        if not scaled(like):  # type: ignore[arg-type]  # (a product of two activations)
-            return None
+        # (x·mask only: derived_output has told it from a product of two activations)
         return dropout_output(like, like, recent, locate, unsaved_input)  # type: ignore[arg-type]
 
     return cast_output(saved, base, recent, dropped)

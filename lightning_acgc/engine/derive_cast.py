@@ -105,11 +105,10 @@ def cast_output(
             break
     else:
         return None
-    place, to = placed(saved, base), base.dtype
-    made = plan
+    place, to, inner_fn = placed(saved, base), base.dtype, plan.fn
 
     def fn(*values: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            return place(made.fn(*values).to(to))
+            return place(inner_fn(*values).to(to))
 
-    return made._replace(fn=fn, name=f"{str(to).removeprefix('torch.')} cast of {made.name}")
+    return plan._replace(fn=fn, name=f"{str(to).removeprefix('torch.')} cast of {plan.name}")

@@ -90,18 +90,17 @@ class Recomputing:
             return self._keep(site, t, key, ref, raw, "norm statistic")
         base = t._base if t._base is not None else t
         view, dtype = placed(t, base), base.dtype
-        if param is None:  # autocast's copy of the batch (step_inputs.StepInputs.cast_source)
-            settings, unchanged = "cast again from the step's input", _nothing
-        else:
-            settings = "cast again from its parameter"
-            unchanged = check_unchanged("a parameter whose autocast copy is cast again", param)
+        if param is not None:
+            held, what, settings = param, "a parameter", "cast again from its parameter"
+        else:  # autocast's copy of the batch
+            held, what, settings = source, "the step's input", "cast again from the step's input"
+        unchanged = check_unchanged(f"{what} whose autocast copy is cast again", held)
 
         def cast_again(p: torch.Tensor) -> torch.Tensor:
             unchanged()
             with torch.no_grad():
                 return view(p.detach().to(dtype))
 
-        held = param if param is not None else source
         return self._recomputed(site, t, key, ref, raw, [held], cast_again, settings)[0]
 
     def _comparing(self, site: SiteInfo, t: torch.Tensor, key: tuple, ref: Any, raw: int) -> Any:
@@ -223,10 +222,6 @@ class Recomputing:
 
 # on measuring steps the last saves are held as they are (for their gains), no more
 STRONG_WINDOW = 8
-
-
-def _nothing() -> None:
-    """No check (the step's input is not a parameter an optimizer changes in place)."""
 
 
 def _remade(source: Saved | torch.Tensor) -> bool:
