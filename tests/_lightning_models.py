@@ -46,6 +46,7 @@ class ProbePolicy(FixedPolicy):
         self.calls: list[tuple[str, Any]] = []
         self.exact: dict[str, torch.Tensor] | None = None
         self.max_diff: list[float] = []
+        self.step_diff: list[float] = []  # accumulated steps: step gradients vs exact
 
     def setup(self, model: nn.Module) -> None:
         self.calls.append(("setup", type(model).__name__))
@@ -60,6 +61,11 @@ class ProbePolicy(FixedPolicy):
     def set_exact_gradients(self, grads: dict[str, torch.Tensor], reduce: Any = None) -> None:
         self.calls.append(("exact", len(grads)))
         self.exact = {k: g.clone() for k, g in grads.items()}
+
+    def set_step_gradients(self, grads: dict[str, torch.Tensor]) -> None:
+        self.calls.append(("step gradients", len(grads)))
+        assert self.exact is not None
+        self.step_diff.append(max((g - self.exact[n]).abs().max().item() for n, g in grads.items()))
 
     def end_step(self, step: int, model: nn.Module, reduce: Any) -> None:
         self.calls.append(("end", step))

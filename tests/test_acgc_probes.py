@@ -255,18 +255,21 @@ class _AttentionModule(LightningModule):
         return DataLoader(data, batch_size=8)
 
 
-def test_lightning_runs_the_probes_as_calibration_calls() -> None:
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_lightning_runs_the_probes_as_calibration_calls(accumulate: int) -> None:
     """Through the callback: the warm-up's second calibration probes every kind of
     guessed tensor (at most ``max_probes``), the third re-probes one; each probe is one
-    more flagged call."""
+    more flagged call. With gradient accumulation the probes run on each step's last
+    batch (the exact passes on every batch)."""
     model = _AttentionModule()
     cb = ActivationCompression("acgc", calibrate_every=100, min_numel=64, print_table=False)
-    fit(model, [cb], max_steps=4, max_epochs=-1)
+    fit(model, [cb], max_steps=4, max_epochs=-1, accumulate_grad_batches=accumulate)
     classes = len(cb.policy._probed_at)
     assert 0 < classes <= cb.policy.max_probes  # all probed at step 1
-    assert model.calls.count(False) == 4
+    assert model.calls.count(False) == 4 * accumulate
     # the exact passes of steps 0-2; step 1 probes every kind, step 2 the oldest again
-    assert model.calls.count(True) == 3 + classes + cb.policy.probe_refresh
+    assert model.calls.count(True) == 3 * accumulate + classes + cb.policy.probe_refresh
+    assert cb.policy._probe_readings  # what the probes measured was read
     assert "acgc_calibrating" not in model.__dict__
 
 

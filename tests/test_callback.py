@@ -151,15 +151,20 @@ def test_gradient_accumulation_and_exact_gradient_leave_no_trace() -> None:
     assert begins == ends == [0, 1, 2, 3]
     assert policy.calls[0] == ("setup", "TinyMLP") and policy.calls[-1] == ("teardown", None)
     # steps 0 and 2 calibrate: the exact gradient summed over the step's 2 batches is
-    # handed over once, before the second batch's forward
-    assert [c for c in policy.calls if c[0] != "setup"][:4] == [
+    # handed over once, before the second batch's forward; the step's compressed
+    # gradient as read on its last batch, before end_step
+    assert [c for c in policy.calls if c[0] != "setup"][:5] == [
         ("begin", 0),
         ("exact", 6),  # parameters: two Linear, one BatchNorm
+        ("step gradients", 6),
         ("end", 0),
         ("begin", 1),
     ]
     assert sum(name == "exact" for name, _ in policy.calls) == 2
     assert len(policy.max_diff) == 2 and max(policy.max_diff) < 1e-6
+    # identity codec: the last batch's gradient (.grad less the first batch's) is its
+    # exact one, so the step's as read there is the exact sum
+    assert len(policy.step_diff) == 2 and max(policy.step_diff) < 1e-6
     assert trainer.callback_metrics["acgc/probe"] == 1.5
     _assert_same_weights(plain, model)
 

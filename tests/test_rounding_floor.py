@@ -140,10 +140,14 @@ def test_floor_pass_runs_on_16_bit_calibrations_only() -> None:
     assert forwards == [2, 2, 2] and not any("rounding_floor" in m for m in metrics)
 
 
-def test_bf16_mixed_fit_logs_the_floor() -> None:
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_bf16_mixed_fit_logs_the_floor(accumulate: int) -> None:
+    """Also with gradient accumulation: the floor pass runs on each step's last batch."""
     cb = ActivationCompression(print_table=False)
     model = Classifier(ConvBN(), data=_images)
-    trainer = fit(model, [cb], max_steps=3, precision="bf16-mixed")
+    trainer = fit(
+        model, [cb], max_steps=3, precision="bf16-mixed", accumulate_grad_batches=accumulate
+    )
     logged = trainer.callback_metrics
     assert "acgc/rounding_floor" in logged and 0 < float(logged["acgc/rounding_floor"]) < 0.1
     assert cb.stats.ratio > 1.5

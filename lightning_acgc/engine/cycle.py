@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_acgc.engine.compressor import ActivationCompressor, MemoryBudgetError
+from lightning_acgc.engine.last_batch import LastBatch, held_gradients
 from lightning_acgc.engine.policy import Policy, Reduce
 from lightning_acgc.kernels.common.sums import dense
 
@@ -128,6 +129,8 @@ class CalibrationCycle:
         self.ended: int | None = None  # the step whose end_step ran
         self.wants_exact = False
         self._exact: dict[str, torch.Tensor] | None = None
+        self._batches = 0  # batches whose exact gradient the step's sum holds
+        self._last: LastBatch | None = None  # after an accumulated sum: for the probes
 
     @property
     def policy(self) -> Policy:
@@ -137,7 +140,7 @@ class CalibrationCycle:
         """``policy.begin_step(step)`` once per step; whether it wants the exact gradient."""
         if step != self.step:
             self.step = step
-            self._exact = None
+            self._exact, self._batches, self._last = None, 0, None
             self.policy.begin_step(step)
             self.wants_exact = bool(self.policy.needs_exact_gradient(step))
         return self.wants_exact
@@ -150,10 +153,14 @@ class CalibrationCycle:
         last: bool = True,
     ) -> dict[str, torch.Tensor] | None:
         """Add this batch's exact gradient (``scale`` times it) to the step's sum; with
-        ``last``, hand the sum over ranks' mean to the policy. Returns this batch's."""
-        grads = exact_gradients(self.engine, model, compute_loss, scale)
+        ``last``, hand the sum over ranks' mean to the policy (a sum of more than one
+        batch is kept with the last one's, for :meth:`add_probes`). Returns this batch's."""
+        reading = getattr(self.policy, "exact_pass", None)  # its statistics read this pass
+        with reading() if reading is not None else contextlib.nullcontext():
+            grads = exact_gradients(self.engine, model, compute_loss, scale)
         if grads is None:
             return None
+        self._batches += 1
         if self._exact is None:
             self._exact = dict(grads)
         else:
@@ -162,6 +169,12 @@ class CalibrationCycle:
         if last:
             total = mean_over_ranks(self._exact, self.reduce, self.world_size)
             self._exact = None
+            if self._batches > 1:  # (.grad holds the earlier batches' compressed sum)
+                own, before = (
+                    mean_over_ranks(g, self.reduce, self.world_size)
+                    for g in (grads, held_gradients(model))
+                )
+                self._last = LastBatch(total, own, self._batches, scale, before)
             self.policy.set_exact_gradients(total, reduce=self.reduce)
         return grads
 
@@ -193,17 +206,21 @@ class CalibrationCycle:
         class only), the gradient averaged over ranks handed to ``end_probe``; then
         ``probes_done`` (the policy settles the step's settings with them). Leaves no
         trace (:func:`no_side_effects`; the engine's step is begun again before each probe
-        and after the last). Returns the number of probes."""
+        and after the last). After a step's exact gradient summed over accumulated
+        batches, the probes run on the last of them, read as the step's
+        (:class:`LastBatch`). Returns the number of probes."""
         classes = getattr(self.policy, "probe_classes", None)
         if classes is None or self.step is None:
             return 0
         todo = list(classes(self.step))
+        last = self._last
         for cls in todo:
             self.engine.new_step(self.engine.step)  # sites numbered as in the step's pass
             self.policy.begin_probe(cls)  # type: ignore[attr-defined]
             grads = None
             try:
-                grads = exact_gradients(self.engine, model, compute_loss, compressed=True)
+                scale = 1.0 if last is None else last.scale
+                grads = exact_gradients(self.engine, model, compute_loss, scale, compressed=True)
             except (MemoryBudgetError, torch.OutOfMemoryError):
                 # A probe keeps every other class's tensors as they are: at a batch raised
                 # into the memory that compression freed it may not fit, where the step's
@@ -220,6 +237,7 @@ class CalibrationCycle:
             finally:
                 if grads is not None:
                     grads = mean_over_ranks(grads, self.reduce, self.world_size)
+                    grads = grads if last is None else last.as_step(grads)
                 self.policy.end_probe(cls, grads)  # type: ignore[attr-defined]
         if todo:
             self.engine.new_step(self.engine.step)  # the probes' records are not the step's
@@ -230,13 +248,16 @@ class CalibrationCycle:
         """Forget the step begun: the next :meth:`begin` calls ``begin_step`` again."""
         self.step = self.ended = None
         self.wants_exact = False
-        self._exact = None
+        self._exact, self._batches, self._last = None, 0, None
 
     def end(self, model: nn.Module) -> bool:
         """``policy.end_step`` for the step begun (once); whether it ran now."""
         if self.step is None or self.ended == self.step:
             return False
-        self._exact = None
+        last, self._exact, self._last = self._last, None, None
+        hand_over = getattr(self.policy, "set_step_gradients", None)
+        if last is not None and hand_over is not None:  # accumulated: read on its last batch
+            hand_over(last.compressed_as_step(model))
         self.policy.end_step(self.step, model, self.reduce)
         self.ended = self.step
         return True

@@ -16,7 +16,8 @@ What the callback does in one fit:
   the compressed forward (``training_step`` run once more, engine paused, RNG and
   buffers restored, logging off; with gradient accumulation, summed over the step's
   batches and handed over before the last one's forward); the forward runs
-  compressed; after backward, before the optimizer step,
+  compressed; after backward, before the optimizer step (accumulated: first
+  ``policy.set_step_gradients``, the last batch's gradient read as the step's),
   ``policy.end_step(step, model, reduce)`` with ``reduce`` averaging over ranks; then
   ``acgc/ratio`` (progress bar), ``acgc/saved_mb``, ``acgc/packed_mb`` and
   ``acgc/<metric>`` for each of ``policy.metrics()`` are logged.

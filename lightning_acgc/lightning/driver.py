@@ -233,8 +233,8 @@ class CalibrationDriver:
         last = not _accumulating(trainer)
         scale = 1.0 / trainer.accumulate_grad_batches
         self.cycle.add_exact_gradient(pl_module, loss, scale=scale, last=last)
-        if last and trainer.accumulate_grad_batches == 1:
-            self.cycle.add_probes(pl_module, loss)  # (the exact gradient is this batch's)
+        if last:  # (accumulated: on the last batch, read as the step's; cycle.LastBatch)
+            self.cycle.add_probes(pl_module, loss)
 
     def _wants_noise(self) -> bool:
         """Whether the policy wants the halves' gradients on the step begun."""

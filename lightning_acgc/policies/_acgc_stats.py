@@ -65,11 +65,14 @@ def module_norms(
     model: nn.Module,
     exact: dict[str, torch.Tensor] | None,
     exact_sq: dict[str, float] | None = None,
+    compressed: dict[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Per module owning parameters: ‖g_m‖² of the reference gradient (the exact one,
     else the compressed one) and ‖ĝ_m − g_m‖² (0 without an exact gradient). Every
     module of ``model`` with parameters has an entry, so the keys match across ranks.
-    ``exact_sq``: ``per_module_sq(exact)`` where the caller has it (not computed twice)."""
+    ``exact_sq``: ``per_module_sq(exact)`` where the caller has it (not computed twice).
+    ``compressed``: ĝ by parameter name, read in place of ``p.grad`` (an accumulated
+    step's, as :class:`~lightning_acgc.engine.last_batch.LastBatch` reads it)."""
     g_sq: dict[str, float] = {}
     err_sq: dict[str, float] = {}
     compared: set[str] = set()  # modules with a parameter held against the exact gradient
@@ -77,9 +80,10 @@ def module_norms(
         module = name.rpartition(".")[0]
         g_sq.setdefault(module, 0.0)
         err_sq.setdefault(module, 0.0)
-        if p.grad is None:
+        held = p.grad if compressed is None else compressed.get(name)
+        if held is None:
             continue
-        got = dense(p.grad.detach())
+        got = dense(held.detach())
         ref = exact.get(name) if exact is not None else None
         if ref is None:
             g_sq[module] += squared_sum(got)

@@ -294,7 +294,7 @@ class ACGCPolicy(
         self._calibrating = False
         self._mark = time.perf_counter()
         grad_sq = self.stats.stop()
-        module_g, module_err = module_norms(model, self._exact, self._exact_sq)
+        module_g, module_err = module_norms(model, self._exact, self._exact_sq, self._step_grads)
         variances = {k: v.tolist() for k, v in self._pending_var.items()}
         flat = {f"{k}\0{i}": x for k, v in variances.items() for i, x in enumerate(v)}
         grad_sq, module_g, module_err, flat = reduce_tables(

@@ -8,6 +8,7 @@ The Lightning adapter drives a policy through one training step like this::
         policy.set_exact_gradients(grads, reduce)  # one uncompressed backward, by name
     ... forward under the engine: policy.codec_for(site, x) per saved tensor ...
     ... backward (gradients in p.grad) ...
+    policy.set_step_gradients(grads)          # accumulated steps with an exact gradient
     policy.end_step(step, model, reduce)      # before optimizer.step
     log(policy.metrics())
     policy.teardown()                         # fit end, also after an exception
@@ -83,6 +84,13 @@ class Policy:
         step's compressed forward. With gradient accumulation the adapter sums it over
         the step's micro-batches and calls this once, before the last one's forward.
         ``reduce`` averages statistics over ranks (``None``: one process)."""
+
+    def set_step_gradients(self, grads: dict[str, torch.Tensor]) -> None:
+        """With gradient accumulation, on a step that had its exact gradient: the step's
+        compressed gradient as :meth:`end_step` should read it in place of ``p.grad``
+        (the last batch's, the only one compressed under this step's settings, read as
+        the step's: :class:`~lightning_acgc.engine.last_batch.LastBatch`), by name,
+        averaged over ranks. Called just before :meth:`end_step`."""
 
     def end_step(self, step: int, model: nn.Module, reduce: Reduce) -> None:
         """Called after backward (gradients in ``p.grad``) and before the optimizer step."""

@@ -3,6 +3,7 @@ calibration steps, a cache of codecs per setting, the step's metrics."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ class CalibratingPolicy(Policy):
         self._codecs: dict[tuple, Codec] = {}
         self._calibrating = False
         self._metrics: dict[str, float] = {}
+        self._step_grads: dict[str, torch.Tensor] | None = None  # set_step_gradients'
 
     def _codec(self, name: str, config_cls: type | None = None, **options: Any) -> Codec:
         """The codec ``name`` with ``options`` (built once, then reused). ``config_cls``:
@@ -85,8 +87,17 @@ class CalibratingPolicy(Policy):
     def begin_step(self, step: int) -> None:
         self._calibrating = self.is_calibration_step(step)
         self._metrics = {}
+        self._step_grads = None
         if self._calibrating:
             self.stats.start()
+
+    def exact_pass(self) -> contextlib.AbstractContextManager[None]:
+        """Around each exact pass of the step's batches (the calibration cycle's): the
+        statistics read those passes only (:meth:`GradientStats.exact_pass`)."""
+        return self.stats.exact_pass()
+
+    def set_step_gradients(self, grads: dict[str, torch.Tensor]) -> None:
+        self._step_grads = grads  # (what end_step reads in place of p.grad)
 
     def _reduced_grad_sq(self, reduce: Reduce) -> dict[str, float]:
         """Stop gathering; squared output-gradient norms by module, averaged over ranks."""

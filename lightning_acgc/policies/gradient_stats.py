@@ -5,11 +5,20 @@ norm of the output gradient (δ) to the module's total. The hooks exist only whi
 calibration step runs (:meth:`GradientStats.start` / :meth:`stop`), so other steps pay
 nothing. Outputs made inside a ``torch.func`` transform (a loss term built with
 ``jacrev``) are skipped: their gradients are the transform's, not the loss's.
+
+Where the step has exact passes (:meth:`GradientStats.exact_pass`, the calibration
+cycle's uncompressed passes of the step's batches), only those are read: not the batch
+halves of a noise-relative budget, nor the compressed passes of batches accumulated
+before the last (summed in, they raised every module's total 1.5x at two batches, 5x
+with the halves). Without any, every pass is read (the compressed pass of a step that
+calibrates on it alone).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -62,6 +71,8 @@ class GradientStats:
         self._modules: list[tuple[str, nn.Module]] = []
         self._handles: list[RemovableHandle] = []
         self._pending: list[tuple[str, torch.Tensor]] = []
+        self._exact_pending: list[tuple[str, torch.Tensor]] = []  # of the exact passes
+        self._in_exact = False
         # set by a policy that models BatchNorm inputs' δ path (acgc): read alongside
         self.batch_norm: BatchNormPaths | None = None
 
@@ -78,7 +89,7 @@ class GradientStats:
     def start(self) -> None:
         """Begin gathering (clears the previous totals)."""
         self.grad_sq = {}
-        self._pending = []
+        self._pending, self._exact_pending = [], []
         if self.batch_norm is not None:
             self.batch_norm.start()
         if not self._handles:
@@ -92,10 +103,29 @@ class GradientStats:
         self._handles.clear()
         if self.batch_norm is not None:
             self.batch_norm.stop()
-        for name, sq in self._pending:
+        for name, sq in self._exact_pending or self._pending:
             self.grad_sq[name] = self.grad_sq.get(name, 0.0) + float(sq)
-        self._pending = []
+        self._pending, self._exact_pending = [], []
         return dict(self.grad_sq)
+
+    @contextlib.contextmanager
+    def exact_pass(self) -> Iterator[None]:
+        """Inside: an exact pass of the step's batch, the only passes read where any ran.
+
+        Example:
+            >>> model = nn.Linear(2, 2)
+            >>> stats = GradientStats(); stats.setup(model); stats.start()
+            >>> with stats.exact_pass():  # δ = (1, 1): ‖δ‖² = 2
+            ...     model(torch.ones(1, 2)).sum().backward()
+            >>> (2 * model(torch.ones(1, 2))).sum().backward()  # another pass: not read
+            >>> stats.stop()
+            {'': 2.0}
+        """
+        self._in_exact = True
+        try:
+            yield
+        finally:
+            self._in_exact = False
 
     def batch_norm_tables(
         self, grads: dict[str, torch.Tensor] | None, reduce: Reduce | None
@@ -116,13 +146,15 @@ class GradientStats:
                     and out.is_floating_point()
                     and not _in_transform(out)
                 ):
-                    out.register_hook(self._on_grad(name))
+                    out.register_hook(self._on_grad(name, self._in_exact))
 
         return hook
 
-    def _on_grad(self, name: str):
+    def _on_grad(self, name: str, exact: bool):
+        pending = self._exact_pending if exact else self._pending
+
         def hook(grad: torch.Tensor) -> None:
             # Kept as a 0-d tensor: no device sync inside backward.
-            self._pending.append((name, grad.detach().float().square().sum()))
+            pending.append((name, grad.detach().float().square().sum()))
 
         return hook
