@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 from lightning_acgc.kernels.common.sums import dense, squared_sum
 from lightning_acgc.policies.base import Reduce
 
-__all__ = ["module_norms", "per_module_sq", "per_module_sq_diff", "reduce_tables"]
+__all__ = ["finite", "module_norms", "per_module_sq", "per_module_sq_diff", "reduce_tables"]
 
 
 def per_module_sq(grads: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -42,6 +44,17 @@ def per_module_sq_diff(
             module = name.rpartition(".")[0]
             out[module] = out.get(module, 0.0) + squared_sum(grads[name], ref)
     return out
+
+
+def finite(*tables: dict[str, float]) -> bool:
+    """Whether every value of the tables is finite. A calibration whose gradients are not
+    (fp16 training's GradScaler lets a step overflow to inf, then skips it) is not read.
+
+    Example:
+        >>> finite({"a": 1.0}, {"b": 0.0}), finite({"a": float("inf")}), finite({"a": float("nan")})
+        (True, False, False)
+    """
+    return all(math.isfinite(v) for table in tables for v in table.values())
 
 
 def reduce_tables(reduce: Reduce | None, *tables: dict[str, float]) -> list[dict[str, float]]:

@@ -35,10 +35,9 @@ aims at ``first_aim`` (1/16) of the budget. With ``bounded`` it tightens at once
 loosens at most 2x per calibration (eb²/3 is a loose upper bound). A measurement above e
 is logged as ``tightened`` = 1. With ``verify=False`` the compressed pass's statistics
 set the following steps' settings and κ keeps its value. A noise-relative budget
-(``noise_ratio`` ρ): :mod:`~.acgc_noise`.
-
-Under 16-bit precision the error is read beyond the backward's own rounding noise,
-measured by one more pass (``rounding_floor``, :mod:`~.acgc_rounding`).
+(``noise_ratio`` ρ): :mod:`~.acgc_noise`. Under 16-bit precision the error is read beyond
+the backward's own rounding noise (``rounding_floor``, :mod:`~.acgc_rounding`). A
+calibration whose gradients overflowed (inf or NaN: logged ``nonfinite``) is not read.
 
 Cost (``calib_ms``): the extra passes (exact, halves, probes, floor) and the policy's own
 statistics on a calibration step, host time; ``calib_share``: that over ``calibrate_every``
@@ -59,7 +58,7 @@ from lightning_acgc.codecs.spec import CodecSpec
 from lightning_acgc.engine.meter import SiteRecord
 from lightning_acgc.engine.sites import SiteInfo
 from lightning_acgc.policies import error_model
-from lightning_acgc.policies._acgc_stats import module_norms, per_module_sq, reduce_tables
+from lightning_acgc.policies._acgc_stats import finite, module_norms, per_module_sq, reduce_tables
 from lightning_acgc.policies._schedule import check_int
 from lightning_acgc.policies.acgc_allocation import (
     average,
@@ -78,7 +77,6 @@ from lightning_acgc.policies.acgc_rounding import RoundingFloor
 from lightning_acgc.policies.acgc_state import ACGCState
 from lightning_acgc.policies.base import Reduce
 from lightning_acgc.policies.batch_norm_path import BatchNormPaths
-from lightning_acgc.policies.bit_allocation import LADDER
 from lightning_acgc.policies.calibrating import CalibratingPolicy
 
 __all__ = ["ACGCPolicy"]
@@ -280,7 +278,9 @@ class ACGCPolicy(
             grad_sq, layer, g_sq = reduce_tables(
                 reduce, grad_sq, layer, {"": sum(module_sq.values())}
             )
-            if self._structure:
+            if not finite(grad_sq, g_sq):  # (an overflowed exact pass: settings kept)
+                self._metrics["nonfinite"] = 1.0
+            elif self._structure:
                 self._calibrate(grad_sq, g_sq[""], layer, reduce)
             elif self._noise_rho is not None:
                 self._update_target(g_sq[""])
@@ -300,16 +300,16 @@ class ACGCPolicy(
         grad_sq, module_g, module_err, flat = reduce_tables(
             reduce, grad_sq, module_g, module_err, flat
         )
-        for k in variances:  # each table, then the share of non-zero values
-            self._variances[k] = [flat[f"{k}\0{i}"] for i in range(len(LADDER))]
-            self._nonzero[k] = flat[f"{k}\0{len(LADDER)}"]
+        self.store_tables(flat, variances)  # (acgc_nonzero: each table, its non-zero share)
         module_err = self.beyond_floor(module_err, sum(module_g.values()))
         g_sq, err_sq = sum(module_g.values()), sum(module_err.values())
         if self.engine is not None:
             self._structure = {
                 k: dataclasses.replace(r) for k, r in self.engine.stats.sites.items()
             }
-        if self._exact is not None and g_sq > 0:
+        if not finite(grad_sq, module_g, module_err):  # overflowed (GradScaler skips it)
+            self._metrics["nonfinite"] = 1.0
+        elif self._exact is not None and g_sq > 0:
             change = self._measure(g_sq, err_sq)
             self._measure_layers(module_g, module_err, g_sq, change)
         elif self._exact is None and g_sq > 0:

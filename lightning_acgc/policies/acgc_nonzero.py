@@ -14,7 +14,8 @@ zeros are exact even at 1 bit (``quant`` at 1 bit cannot keep them).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from lightning_acgc.codecs.base import Codec
 from lightning_acgc.codecs.quant import QuantWidthConfig
 from lightning_acgc.kernels import nonzero as nk
 from lightning_acgc.kernels.quant import stored_meta
+from lightning_acgc.policies.bit_allocation import LADDER
 from lightning_acgc.policies.quant_error import sr_variance
 
 __all__ = ["NONZERO_MAX_SHARE", "NonzeroLayout", "rounding_table"]
@@ -62,9 +64,20 @@ class NonzeroLayout:
     width. Uses ``group_size``, ``_meta`` and ``_codec``."""
 
     _nonzero: dict[str, float]
+    _variances: dict[str, list[float]]
     group_size: int
     _meta: dict[str, Any]
     _codec: Callable[..., Codec]
+
+    def store_tables(self, flat: dict[str, float], keys: Iterable[str]) -> None:
+        """A calibration's :func:`rounding_table` of each tensor in ``keys``, flattened
+        (``flat[f"{key}\\0{i}"]``, averaged over ranks), as its variance per width and
+        share of non-zero values; a table that is not finite (a tensor holding ±inf)
+        leaves the tensor's last one in place."""
+        for key in keys:
+            table = [flat[f"{key}\0{i}"] for i in range(len(LADDER) + 1)]
+            if all(math.isfinite(v) for v in table):
+                self._variances[key], self._nonzero[key] = table[:-1], table[-1]
 
     def nonzero_shares(self) -> dict[str, float]:
         """Share of non-zero values of every tensor stored by the ``nonzero`` codec."""
