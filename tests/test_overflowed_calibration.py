@@ -86,7 +86,7 @@ def test_a_calibration_that_overflowed_is_not_read(how: str) -> None:
         assert "nonfinite" not in metrics[step]
         assert 0 < metrics[step]["grad_error"] <= 0.1
     tables = [v for table in policy._variances.values() for v in table]
-    assert tables and all(math.isfinite(v) for v in tables)
+    assert tables and not any(math.isnan(v) for v in tables)  # (+inf: a width never chosen)
     assert all(math.isfinite(v) for v in policy._nonzero.values())
 
 

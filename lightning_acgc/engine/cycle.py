@@ -98,8 +98,11 @@ class CalibrationCycle:
     Per step: :meth:`begin` (``policy.begin_step``; whether the policy wants the exact
     gradient), :meth:`add_exact_gradient` on each of the step's batches when it does
     (summed; handed to ``policy.set_exact_gradients``, averaged over ranks, with the
-    last batch, before its compressed forward), the compressed forward and backward
-    (the caller's), then :meth:`end` (``policy.end_step``) before the optimizer step.
+    last batch, before its compressed forward; the policy's ``exact_pass`` around each,
+    where it has one), :meth:`add_probes`, the compressed forward and backward (the
+    caller's), then :meth:`end` (``policy.end_step``; after more than one batch, first
+    ``policy.set_step_gradients`` with the last batch's gradient read as the step's,
+    :class:`~lightning_acgc.engine.last_batch.LastBatch`) before the optimizer step.
 
     Args:
         engine: the installed engine whose policy is calibrated.

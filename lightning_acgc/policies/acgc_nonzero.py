@@ -14,7 +14,6 @@ zeros are exact even at 1 bit (``quant`` at 1 bit cannot keep them).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -72,12 +71,12 @@ class NonzeroLayout:
     def store_tables(self, flat: dict[str, float], keys: Iterable[str]) -> None:
         """A calibration's :func:`rounding_table` of each tensor in ``keys``, flattened
         (``flat[f"{key}\\0{i}"]``, averaged over ranks), as its variance per width and
-        share of non-zero values; a table that is not finite (a tensor holding ±inf)
-        leaves the tensor's last one in place."""
+        share of non-zero values. (Non-finite values count as zeros in the variances, so
+        a tensor holding ±inf leaves no trace; an infinite entry means a width never to
+        choose: 1 bit where a group's zeros must stay exact.)"""
         for key in keys:
             table = [flat[f"{key}\0{i}"] for i in range(len(LADDER) + 1)]
-            if all(math.isfinite(v) for v in table):
-                self._variances[key], self._nonzero[key] = table[:-1], table[-1]
+            self._variances[key], self._nonzero[key] = table[:-1], table[-1]
 
     def nonzero_shares(self) -> dict[str, float]:
         """Share of non-zero values of every tensor stored by the ``nonzero`` codec."""
