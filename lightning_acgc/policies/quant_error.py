@@ -14,7 +14,10 @@ A tensor with such groups is infinitely wrong at 1 bit (its ReLU mask is not kep
 the tensor's groups; the AC-GC policy multiplies it by each tensor's sensitivity. Its
 last width, ``HALF``, is the ``half`` codec's rounding to the nearest float16: an error
 uniform within half an ulp, variance ulp²/12 (an upper bound: values float16 holds
-exactly, zeros among them, have none).
+exactly, zeros among them, have none); 0 for a 16-bit tensor, which ``half`` declines
+and the engine keeps as it is (the 16-bit widths of mixed precision: read as the
+float16 rounding of a float32 value, a calibration whose tensors were kept measured far
+less than the model said, and κ fell by the most it may).
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ def sr_variance(x: torch.Tensor, group_size: int, max_groups: int = 2048) -> tor
         True
         >>> float(v[7] / v[-1]) > 100  # float16 (HALF) against 8 bits
         True
+        >>> float(sr_variance(x.bfloat16(), 256)[-1])  # a 16-bit tensor: kept as it is
+        0.0
     """
     xg = group_view(x.detach(), group_size)
     if xg.shape[0] > max_groups:
@@ -78,6 +83,9 @@ def sr_variance(x: torch.Tensor, group_size: int, max_groups: int = 2048) -> tor
         var = f * (1 - f) * step[:, None].square()
         var = torch.where(kept[:, None] & is_zero, torch.zeros_like(var), var)
         out.append(var.double().mean())
+    if x.dtype in (torch.bfloat16, torch.float16):  # HALF keeps a 16-bit tensor as it is
+        out.append(torch.zeros((), dtype=torch.float64, device=x.device))
+        return torch.stack(out)
     ulp_sq = (2 * half_error_bound(xg)).double().square()  # HALF, LADDER's last width
     out.append(torch.where(xg != 0, ulp_sq / 12, torch.zeros_like(ulp_sq)).mean())
     return torch.stack(out)
