@@ -144,7 +144,11 @@ def sweep_section(results: Path = RESULTS) -> list[str]:
     runs = read_runs(path) if path.exists() else []
     if not runs:
         return []
-    label = f"the commit of each row's runs in its last column, {machine_line(runs[-1]['machine'])}"
+    last = runs[-1]["machine"]
+    others = {r["machine"].get("cpu", "?") for r in runs if "machine" in r} - {last.get("cpu")}
+    label = f"the commit of each row's runs in its last column, {machine_line(last)}"
+    if others:  # (each row is paired with plain's runs of its own sweep)
+        label += f"; rows of earlier commits also ran on {', '.join(sorted(others))}"
     return _section(
         "Paired-seed accuracy sweep: final validation loss, compressed minus plain on the "
         f"same seed, against plain's seed-to-seed spread ({label})",

@@ -145,11 +145,13 @@ def read_runs(path: Path) -> list[dict[str, Any]]:
 def summarize(runs: Iterable[dict[str, Any]], plain: str = PLAIN) -> dict[str, Any]:
     """Per recipe and configuration: paired validation-loss differences against plain.
 
-    For every seed where both ran, ``val_loss(config) - val_loss(plain)``; reported are
-    their mean (absolute and relative to plain's mean loss) and standard error, plain's
-    seed-to-seed spread (max - min of plain's validation losses, on the same seeds) and
-    ``within_spread``: ``|mean difference| <= spread``; the fit time against plain's run
-    of the same seed and commit, else the one nearest in time (the same machine load).
+    For every seed where both ran, ``val_loss(config) - val_loss(plain)``, against
+    plain's run of the same seed in the same sweep (the same commit and machine, else the
+    one nearest in time: a CPU of another make trains the same seed to another loss, so
+    a row is never paired with a later sweep's plain); reported are their mean (absolute
+    and relative to those plain runs' mean loss) and standard error, plain's seed-to-seed
+    spread (max - min of the same plain runs) and ``within_spread``: ``|mean difference|
+    <= spread``; the fit time against the same plain runs (the same machine load).
     Later runs of the same (recipe, config, seed) replace earlier ones.
 
     Example:
@@ -178,13 +180,12 @@ def summarize(runs: Iterable[dict[str, Any]], plain: str = PLAIN) -> dict[str, A
             seeds = sorted(set(mine) & set(base))
             if not seeds:
                 continue
-            diffs = [mine[s]["val_loss"] - base[s]["val_loss"] for s in seeds]
+            paired = {s: _nearest(plain_runs[(recipe, s)], mine[s]) for s in seeds}
+            diffs = [mine[s]["val_loss"] - paired[s]["val_loss"] for s in seeds]
             mean_diff = statistics.fmean(diffs)
-            losses = [base[s]["val_loss"] for s in seeds]  # plain on this row's seeds
+            losses = [paired[s]["val_loss"] for s in seeds]  # plain on this row's seeds
             spread, plain_mean = max(losses) - min(losses), statistics.fmean(losses)
-            plain_time = statistics.fmean(
-                _nearest(plain_runs[(recipe, s)], mine[s])["fit_seconds"] for s in seeds
-            )
+            plain_time = statistics.fmean(paired[s]["fit_seconds"] for s in seeds)
             se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None
             fit = statistics.fmean(mine[s]["fit_seconds"] for s in seeds)
             rows[config] = {
@@ -207,12 +208,18 @@ def summarize(runs: Iterable[dict[str, Any]], plain: str = PLAIN) -> dict[str, A
 
 
 def _nearest(candidates: list[dict[str, Any]], run: dict[str, Any]) -> dict[str, Any]:
-    """The run of ``candidates`` of the same commit as ``run``, else the one nearest in
-    time (the machine's date); the last one where runs carry no date."""
+    """The run of ``candidates`` of the same commit and CPU as ``run``, else the one
+    nearest in time (the machine's date); the last one where runs carry no date."""
+
+    def cpu(r: dict[str, Any]) -> Any:
+        return r.get("machine", {}).get("cpu")
+
     same = [
         c
         for c in candidates
-        if c.get("commit") is not None and c.get("commit") == run.get("commit")
+        if c.get("commit") is not None
+        and c.get("commit") == run.get("commit")
+        and cpu(c) == cpu(run)
     ]
     if same:
         return same[-1]

@@ -121,3 +121,29 @@ def test_spread_and_fit_time_come_from_the_rows_own_seeds_and_sweep() -> None:
 
 def test_docstring_examples() -> None:
     assert doctest.testmod(sweep).failed == 0
+
+
+def test_a_row_is_paired_with_plain_of_its_own_sweep() -> None:
+    """A later sweep on a CPU of another make trains plain to other losses: an older
+    row keeps the plain runs of its own commit and machine (its differences, spread and
+    time), the new row gets the new plain runs."""
+
+    def run(config, seed, loss, commit, cpu):
+        machine = {"cpu": cpu, "date": f"2026-11-{20 + seed:02d}T00:00:00"}
+        return {**_run(config, seed, loss), "commit": commit, "machine": machine}
+
+    runs = [
+        run(PLAIN, 0, 2.0, "old", "Intel"),
+        run(PLAIN, 1, 2.2, "old", "Intel"),
+        run("x", 0, 2.1, "old", "Intel"),
+        run("x", 1, 2.3, "old", "Intel"),
+        run(PLAIN, 0, 2.5, "new", "AMD"),
+        run(PLAIN, 1, 2.9, "new", "AMD"),
+        run("y", 0, 2.5, "new", "AMD"),
+        run("y", 1, 2.8, "new", "AMD"),
+    ]
+    rows = summarize(runs)["r"]
+    assert rows["x"]["val_loss_diff"] == [pytest.approx(0.1), pytest.approx(0.1)]
+    assert rows["x"]["plain_spread"] == pytest.approx(0.2)
+    assert rows["y"]["val_loss_diff"] == [pytest.approx(0.0), pytest.approx(-0.1)]
+    assert rows["y"]["plain_spread"] == pytest.approx(0.4)
