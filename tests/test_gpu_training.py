@@ -123,3 +123,16 @@ def test_acgc_prices_the_fp32_metadata_that_cuda_writes() -> None:
     policy = build_policy("acgc")
     policy.setup(ResidualCNN())
     assert policy._meta_bits == 32
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_an_accumulated_calibration_on_gpu_reads_its_last_batch(offload: bool) -> None:
+    """tests/test_last_batch.py's reading on a CUDA device; with ``offload_exact`` (the
+    batch-size search raised the batch) its two held gradients wait in host memory."""
+    from tests.test_last_batch import accumulated_reading
+
+    measured, expected, whole, last = accumulated_reading(torch.device("cuda"), offload)
+    assert measured == pytest.approx(expected, rel=1e-3)
+    assert measured == pytest.approx(math.sqrt(2) * whole, rel=1e-3)
+    held = {t.device.type for t in [*last.own.values(), *(last.before or {}).values()]}
+    assert held == ({"cpu"} if offload else {"cuda"})

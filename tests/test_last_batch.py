@@ -43,20 +43,26 @@ def test_held_gradients_are_copies_with_zeros_for_missing_ones() -> None:
     assert torch.equal(held["weight"], torch.ones(2, 3))  # a copy, not the .grad itself
 
 
-def test_an_accumulated_calibration_reads_its_last_batch() -> None:
-    """Two batches into one step, driven as the Lightning adapter drives them. The first
-    runs before the step's settings exist (here held exactly: no error at all), the
-    second under them. The error the policy logs is the second batch's against its own
-    exact gradient, times √2 (the step's error if both batches had run under the
-    settings), over the step's ‖g‖: √2 times the whole step's measured error here."""
-    model = _model()
+def accumulated_reading(
+    device: torch.device, offload: bool
+) -> tuple[float, float, float, LastBatch]:
+    """Two batches into one calibration step on ``device``, driven as the Lightning
+    adapter drives them; the first held exactly (no error at all), the second compressed
+    under the step's settings. Returns the error the policy logged, the last batch's
+    error against its own exact gradient times √2 over the step's ‖g‖ (by hand), the
+    whole step's measured error, and the cycle's :class:`LastBatch`."""
+    model = _model().to(device)
     policy = build_policy("acgc", gradient_error=0.1)
     engine = ActivationCompressor(policy, model=model, settings=EngineSettings(min_numel=0))
     engine.install()
+    engine.offload_exact = offload  # (the two held gradients wait in host memory)
     policy.setup(model)
     g = torch.Generator().manual_seed(0)
     batches = [
-        (torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g))
+        (
+            torch.randn(32, 16, generator=g).to(device),
+            torch.randint(0, 4, (32,), generator=g).to(device),
+        )
         for _ in range(2)
     ]
     try:
@@ -76,19 +82,28 @@ def test_an_accumulated_calibration_reads_its_last_batch() -> None:
         total = exact_gradients(
             engine, model, lambda: sum(F.cross_entropy(model(x), y) * 0.5 for x, y in batches)
         )
+        last = cycle._last
         cycle.end(model)
     finally:
         engine.remove()
-    assert own is not None and total is not None
+    assert own is not None and total is not None and last is not None
     g_sq = sum(float(t.pow(2).sum()) for t in total.values())
     last_sq = sum(
         float((p.grad - before[n] - own[n]).pow(2).sum()) for n, p in model.named_parameters()
     )
     whole_sq = sum(float((p.grad - total[n]).pow(2).sum()) for n, p in model.named_parameters())
-    expected = math.sqrt(2 * last_sq / g_sq)
     measured = policy.metrics()["grad_error"]
+    return measured, math.sqrt(2 * last_sq / g_sq), math.sqrt(whole_sq / g_sq), last
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_an_accumulated_calibration_reads_its_last_batch(offload: bool) -> None:
+    """The error the policy logs is the last batch's against its own exact gradient,
+    times √2 (the step's error if both batches had run under the settings), over the
+    step's ‖g‖: here, the first batch held exactly, √2 times the whole step's error."""
+    measured, expected, whole, _ = accumulated_reading(torch.device("cpu"), offload)
     assert measured == pytest.approx(expected, rel=1e-4)
-    assert measured == pytest.approx(math.sqrt(2 * whole_sq / g_sq), rel=1e-4)
+    assert measured == pytest.approx(math.sqrt(2) * whole, rel=1e-4)
     assert measured > 0
 
 

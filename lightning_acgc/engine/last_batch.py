@@ -60,6 +60,7 @@ class LastBatch:
 
     step_sum: dict[str, torch.Tensor]  # the step's exact gradient, as handed to the policy
     own: dict[str, torch.Tensor]  # the last batch's exact gradient (at the step's scale)
+    # (own and before may wait in host memory: each is moved to its gradient's device)
     batches: int
     scale: float = 1.0  # the step's scale of one batch's loss (1/k)
     before: dict[str, torch.Tensor] | None = None  # .grad before the last batch's backward
@@ -69,7 +70,7 @@ class LastBatch:
         distance from the batch's exact gradient times √k, about ``step_sum``."""
         root = math.sqrt(self.batches)
         return {
-            n: self.step_sum[n] + root * (g.to(self.own[n].dtype) - self.own[n])
+            n: self.step_sum[n] + root * (g - self.own[n].to(g.device, g.dtype))
             for n, g in grads.items()
             if n in self.own
         }
@@ -83,6 +84,8 @@ class LastBatch:
             own = self.own.get(n)
             if own is None:
                 continue
-            got = dense(p.grad.detach()).to(own.dtype) if p.grad is not None else 0.0
-            out[n] = self.step_sum[n] + root * (got - before.get(n, 0.0) - own)
+            ref = self.step_sum[n]
+            got = dense(p.grad.detach()).to(ref.dtype) if p.grad is not None else 0.0
+            earlier = before[n].to(ref.device, ref.dtype) if n in before else 0.0
+            out[n] = ref + root * (got - earlier - own.to(ref.device, ref.dtype))
         return out
