@@ -138,3 +138,56 @@ def test_a_fit_goes_on_through_overflowed_calibrations() -> None:
     assert 0 < record.steps[2]["grad_error"] <= 0.1
     assert math.isfinite(cb.policy.kappa)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class _SmallLoss(TinyMLP):
+    """A loss 10⁴ times smaller than the cross-entropy: unscaled, an fp16 backward loses
+    most of its output gradients (below float16's range)."""
+
+    def __init__(self) -> None:
+        super().__init__(hidden=512, samples=256, batch_size=64)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
+        return super().training_step(batch, batch_idx) * 1e-4
+
+
+def test_fp16_with_a_grad_scaler_calibrates_at_the_step_s_loss_scale() -> None:
+    """fp16 mixed precision with Lightning's GradScaler (on the CPU through an explicit
+    plugin): the calibration's passes run at the scaler's loss scale and are unscaled, as
+    the step's own backward. Unscaled they underflowed: κ 796, the worst layer measured at
+    0.48 (e = 0.05) and nothing was compressed (1.13x)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_acgc.lightning.driver import loss_scale
+
+    cb = ActivationCompression("acgc", min_numel=0, print_table=False)
+    record = _Metrics(cb)
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    trainer = fit(_SmallLoss(), [cb, record], max_steps=4, max_epochs=-1, plugins=[plugin])
+    assert loss_scale(trainer) > 1
+    calibrations = [m for m in record.steps[:3] if "grad_error" in m]
+    assert len(calibrations) == 3
+    assert all(m["layer_grad_error"] <= 0.05 for m in calibrations)
+    assert 0.1 < cb.policy.kappa < 10
+    assert cb.stats.ratio > 3
+
+
+def test_a_calibration_that_overflowed_is_run_again_on_the_next_step() -> None:
+    """The warm-up's three calibrations and the step after them overflow: step 4, off
+    the schedule (``calibrate_every=100``), calibrates again and is read. Overflowing on
+    every step, the retries stop after ``MAX_RETRIES`` in a row."""
+    from lightning_acgc.policies.calibrating import MAX_RETRIES
+
+    cb = ActivationCompression("acgc", gradient_error=0.1, min_numel=0, print_table=False)
+    record = _Metrics(cb)
+    fit(_Overflowing(overflow_at=(0, 1, 2, 3)), [cb, record], max_steps=6, max_epochs=-1)
+    assert [m.get("nonfinite") for m in record.steps[:4]] == [1.0] * 4
+    assert 0 < record.steps[4]["grad_error"] <= 0.1 and "grad_error" not in record.steps[5]
+
+    cb = ActivationCompression("acgc", gradient_error=0.1, min_numel=0, print_table=False)
+    record = _Metrics(cb)
+    steps = MAX_RETRIES + 4
+    model = _Overflowing(overflow_at=tuple(range(steps)))
+    fit(model, [cb, record], max_steps=steps, max_epochs=-1)
+    calibrated = [i for i, m in enumerate(record.steps) if m.get("nonfinite")]
+    assert calibrated == list(range(MAX_RETRIES + 1))

@@ -109,6 +109,13 @@ class CalibrationCycle:
         reduce: averages a tensor over data-parallel ranks.
         world_size: number of ranks (1: nothing is averaged).
 
+    ``loss_scale``: the factor the step's own backward scales its loss by (fp16 training's
+    GradScaler; the Lightning adapter sets it each step). The cycle's passes scale their
+    loss by it too and divide their gradients by it: an unscaled fp16 backward loses the
+    small output gradients the scaled one keeps (below 6e-8 they are 0), and read against
+    the step's gradient that loss was counted as the codecs' error (κ ran to 800 on a
+    small-loss MLP, nothing compressed).
+
     Example:
         >>> from lightning_acgc.engine.settings import EngineSettings
         >>> from lightning_acgc.policies import build_policy
@@ -132,8 +139,23 @@ class CalibrationCycle:
         self.ended: int | None = None  # the step whose end_step ran
         self.wants_exact = False
         self._exact: dict[str, torch.Tensor] | None = None
+        self.loss_scale = 1.0
         self._batches = 0  # batches whose exact gradient the step's sum holds
         self._last: LastBatch | None = None  # after an accumulated sum: for the probes
+
+    def _gradients(
+        self,
+        model: nn.Module,
+        compute_loss: Callable[[], torch.Tensor | None],
+        scale: float = 1.0,
+        compressed: bool = False,
+    ) -> dict[str, torch.Tensor] | None:
+        """:func:`exact_gradients` at ``scale`` times the step's ``loss_scale``, unscaled."""
+        factor = self.loss_scale
+        grads = exact_gradients(self.engine, model, compute_loss, scale * factor, compressed)
+        if grads is None or factor == 1.0:
+            return grads
+        return {n: g / factor for n, g in grads.items()}
 
     @property
     def policy(self) -> Policy:
@@ -159,8 +181,8 @@ class CalibrationCycle:
         ``last``, hand the sum over ranks' mean to the policy (a sum of more than one
         batch is kept with the last one's, for :meth:`add_probes`). Returns this batch's."""
         reading = getattr(self.policy, "exact_pass", None)  # its statistics read this pass
-        with reading() if reading is not None else contextlib.nullcontext():
-            grads = exact_gradients(self.engine, model, compute_loss, scale)
+        with reading(self.loss_scale) if reading is not None else contextlib.nullcontext():
+            grads = self._gradients(model, compute_loss, scale)
         if grads is None:
             return None
         self._batches += 1
@@ -198,7 +220,7 @@ class CalibrationCycle:
         wants = getattr(self.policy, "needs_noise_estimate", None)
         if wants is None or self.step is None or not wants(self.step):
             return False
-        halves = [exact_gradients(self.engine, model, f, scale) for f in loss_halves]
+        halves = [self._gradients(model, f, scale) for f in loss_halves]
         if halves[0] is None or halves[1] is None:
             return False
         g1, g2 = (mean_over_ranks(g, self.reduce, self.world_size) for g in halves)
@@ -226,7 +248,7 @@ class CalibrationCycle:
             grads = None
             try:
                 scale = 1.0 if last is None else last.scale
-                grads = exact_gradients(self.engine, model, compute_loss, scale, compressed=True)
+                grads = self._gradients(model, compute_loss, scale, compressed=True)
             except (MemoryBudgetError, torch.OutOfMemoryError):
                 # A probe keeps every other class's tensors as they are: at a batch raised
                 # into the memory that compression freed it may not fit, where the step's

@@ -50,6 +50,15 @@ def refuses_hooks(err: RuntimeError) -> bool:
     return "saved tensor hooks" in text or "saved tensors default hooks" in text
 
 
+def loss_scale(trainer: Trainer) -> float:
+    """The factor the step's backward scales its loss by: the precision plugin's
+    GradScaler's (``precision="16-mixed"``), else 1."""
+    scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return 1.0
+    return float(scaler.get_scale())
+
+
 def _accumulating(trainer: Trainer) -> bool:
     """Whether the current batch accumulates gradients (no optimizer step after it)."""
     if trainer.accumulate_grad_batches <= 1:
@@ -223,6 +232,7 @@ class CalibrationDriver:
             return
         if not self._exact_supported(trainer, pl_module):
             return
+        self.cycle.loss_scale = loss_scale(trainer)  # (fp16: the passes scaled as the step)
         if first_batch:
             self._add_noise_estimate(trainer, pl_module, batch, batch_idx)
         if not wants_exact:

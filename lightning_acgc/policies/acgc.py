@@ -309,6 +309,7 @@ class ACGCPolicy(
             }
         if not finite(grad_sq, module_g, module_err):  # overflowed (GradScaler skips it)
             self._metrics["nonfinite"] = 1.0
+            self.calibrate_again(step)
         elif self._exact is not None and g_sq > 0:
             change = self._measure(g_sq, err_sq)
             self._measure_layers(module_g, module_err, g_sq, change)

@@ -119,10 +119,12 @@ class ModelCorrections:
         e = self.error_target
         self._metrics["grad_error"] = ratio
         self._metrics["tightened"] = float(ratio > e)
-        if self._predicted is None or self._predicted <= 0:
+        if self._predicted is None or (self._predicted <= 0 and err_sq > 0):
             return 1.0
         before = self.kappa
         if err_sq <= 0:
+            # (also where the model predicted none: every tensor kept as it is, as a
+            # 16-bit fit's first aim can choose; read as none, κ stayed and so did that)
             # exactly 0 (what was rounded did not reach the gradient): the model is high by
             # an unknown factor. κ loosens by the most allowed, and no reading is kept (a
             # clamped one held the mean down for ``history`` calibrations, halving κ to 3x

@@ -94,6 +94,7 @@ class BatchNormPaths:
         self._input_sq: dict[str, torch.Tensor] = {}  # weight op -> E[x²] of its input
         self._readings: dict[str, _Reading] = {}
         self._bns: set[str] = set()
+        self.unscale = 1.0  # 1 / the loss scale of the pass read (GradientStats.exact_pass)
 
     def setup(self, model: nn.Module, weight_ops: set[str] | dict[str, int]) -> None:
         """The model's BatchNorms and weight ops (names, as ``named_modules`` gives)."""
@@ -171,8 +172,10 @@ class BatchNormPaths:
             if reading is None or not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return
 
+            unscale = self.unscale
+
             def on_grad(grad: torch.Tensor) -> None:
-                g = grad.detach().float().transpose(0, 1).reshape(grad.shape[1], -1)
+                g = grad.detach().float().transpose(0, 1).reshape(grad.shape[1], -1) * unscale
                 reading.grad_sq, reading.grad_sum = g.square().sum(1), g.sum(1)
 
             output.register_hook(on_grad)

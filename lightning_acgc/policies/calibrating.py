@@ -17,7 +17,9 @@ from lightning_acgc.policies._schedule import is_calibration_step
 from lightning_acgc.policies.base import Policy, Reduce
 from lightning_acgc.policies.gradient_stats import GradientStats
 
-__all__ = ["CalibratingPolicy"]
+__all__ = ["MAX_RETRIES", "CalibratingPolicy"]
+
+MAX_RETRIES = 16  # steps in a row that calibrate again after one that overflowed
 
 
 class CalibratingPolicy(Policy):
@@ -34,6 +36,9 @@ class CalibratingPolicy(Policy):
         self._calibrating = False
         self._metrics: dict[str, float] = {}
         self._step_grads: dict[str, torch.Tensor] | None = None  # set_step_gradients'
+        self._retry_at: int | None = None  # a step that calibrates again (calibrate_again)
+        self._retry_from: int | None = None
+        self._retries = 0
 
     def _codec(self, name: str, config_cls: type | None = None, **options: Any) -> Codec:
         """The codec ``name`` with ``options`` (built once, then reused). ``config_cls``:
@@ -79,7 +84,16 @@ class CalibratingPolicy(Policy):
         return self._calibrating
 
     def is_calibration_step(self, step: int) -> bool:
-        return is_calibration_step(step, self.calibrate_every, self.warmup_steps)
+        scheduled = is_calibration_step(step, self.calibrate_every, self.warmup_steps)
+        return scheduled or step == self._retry_at
+
+    def calibrate_again(self, step: int) -> None:
+        """Step ``step``'s calibration could not be read (its gradients overflowed: fp16's
+        GradScaler skips such a step while it lowers its scale, often for the first steps
+        of a fit): calibrate on the next step too, up to ``MAX_RETRIES`` steps in a row."""
+        self._retries = self._retries + 1 if step - 1 == self._retry_from else 1
+        self._retry_from = step
+        self._retry_at = step + 1 if self._retries <= MAX_RETRIES else None
 
     def setup(self, model: nn.Module) -> None:
         self.stats.setup(model)
@@ -91,10 +105,11 @@ class CalibratingPolicy(Policy):
         if self._calibrating:
             self.stats.start()
 
-    def exact_pass(self) -> contextlib.AbstractContextManager[None]:
-        """Around each exact pass of the step's batches (the calibration cycle's): the
-        statistics read those passes only (:meth:`GradientStats.exact_pass`)."""
-        return self.stats.exact_pass()
+    def exact_pass(self, loss_scale: float = 1.0) -> contextlib.AbstractContextManager[None]:
+        """Around each exact pass of the step's batches (the calibration cycle's, its loss
+        scaled by ``loss_scale``): the statistics read those passes only, unscaled
+        (:meth:`GradientStats.exact_pass`)."""
+        return self.stats.exact_pass(loss_scale)
 
     def set_step_gradients(self, grads: dict[str, torch.Tensor]) -> None:
         self._step_grads = grads  # (what end_step reads in place of p.grad)

@@ -73,6 +73,7 @@ class GradientStats:
         self._pending: list[tuple[str, torch.Tensor]] = []
         self._exact_pending: list[tuple[str, torch.Tensor]] = []  # of the exact passes
         self._in_exact = False
+        self._unscale = 1.0  # 1 / the exact passes' loss scale
         # set by a policy that models BatchNorm inputs' δ path (acgc): read alongside
         self.batch_norm: BatchNormPaths | None = None
 
@@ -109,8 +110,10 @@ class GradientStats:
         return dict(self.grad_sq)
 
     @contextlib.contextmanager
-    def exact_pass(self) -> Iterator[None]:
-        """Inside: an exact pass of the step's batch, the only passes read where any ran.
+    def exact_pass(self, loss_scale: float = 1.0) -> Iterator[None]:
+        """Inside: an exact pass of the step's batch, the only passes read where any ran;
+        its loss scaled by ``loss_scale`` (fp16's GradScaler), which its output gradients
+        are read without.
 
         Example:
             >>> model = nn.Linear(2, 2)
@@ -120,8 +123,15 @@ class GradientStats:
             >>> (2 * model(torch.ones(1, 2))).sum().backward()  # another pass: not read
             >>> stats.stop()
             {'': 2.0}
+            >>> stats.start()
+            >>> with stats.exact_pass(loss_scale=1024.0):  # read as the unscaled loss's
+            ...     (1024.0 * model(torch.ones(1, 2))).sum().backward()
+            >>> stats.stop()
+            {'': 2.0}
         """
-        self._in_exact = True
+        self._in_exact, self._unscale = True, 1.0 / loss_scale
+        if self.batch_norm is not None:
+            self.batch_norm.unscale = self._unscale
         try:
             yield
         finally:
@@ -146,15 +156,17 @@ class GradientStats:
                     and out.is_floating_point()
                     and not _in_transform(out)
                 ):
-                    out.register_hook(self._on_grad(name, self._in_exact))
+                    unscale = self._unscale if self._in_exact else 1.0
+                    out.register_hook(self._on_grad(name, self._in_exact, unscale))
 
         return hook
 
-    def _on_grad(self, name: str, exact: bool):
+    def _on_grad(self, name: str, exact: bool, unscale: float = 1.0):
         pending = self._exact_pending if exact else self._pending
 
         def hook(grad: torch.Tensor) -> None:
             # Kept as a 0-d tensor: no device sync inside backward.
-            pending.append((name, grad.detach().float().square().sum()))
+            g = grad.detach().float()
+            pending.append((name, (g if unscale == 1.0 else g * unscale).square().sum()))
 
         return hook
