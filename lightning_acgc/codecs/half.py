@@ -20,9 +20,10 @@ from lightning_acgc.codecs.base import Packed
 from lightning_acgc.codecs.identity import raw_packed
 from lightning_acgc.codecs.registry import register_codec
 
-__all__ = ["HALF_MAX", "HalfCodec", "HalfConfig", "half_error_bound"]
+__all__ = ["HALF_MAX", "HALF_SOURCE", "HalfCodec", "HalfConfig", "half_error_bound"]
 
 HALF_MAX = 65504.0  # the largest finite float16
+HALF_SOURCE = torch.float32  # the one dtype half packs; it declines every other
 _HALF_TINY = 2.0**-14  # the smallest normal float16
 _HALF_OVERFLOW = 65520.0  # float32 values of this magnitude and above round to inf
 _HALF_MANTISSA = 10  # explicit significand bits of float16
@@ -68,7 +69,7 @@ class HalfCodec:
         self.config = config
 
     def encode(self, x: torch.Tensor, seed: int) -> Packed | None:
-        if x.dtype != torch.float32:
+        if x.dtype != HALF_SOURCE:
             return None
         if x.numel() == 0:
             return raw_packed(x)

@@ -195,13 +195,12 @@ class CalibrationCycle:
             total = mean_over_ranks(self._exact, self.reduce, self.world_size)
             self._exact = None
             if self._batches > 1:  # (.grad holds the earlier batches' compressed sum)
-                host = torch.device("cpu") if getattr(self.engine, "offload_exact", False) else None
                 own, before = (
                     mean_over_ranks(g, self.reduce, self.world_size)
                     for g in (grads, held_gradients(model))
                 )
-                if host is not None:  # (two more gradients: in host memory, as the passes)
-                    own, before = ({n: g.to(host) for n, g in t.items()} for t in (own, before))
+                if getattr(self.engine, "offload_exact", False):  # (in host memory, as the passes)
+                    own, before = ({n: g.cpu() for n, g in t.items()} for t in (own, before))
                 self._last = LastBatch(total, own, self._batches, scale, before)
             self.policy.set_exact_gradients(total, reduce=self.reduce)
         return grads

@@ -65,27 +65,25 @@ class LastBatch:
     scale: float = 1.0  # the step's scale of one batch's loss (1/k)
     before: dict[str, torch.Tensor] | None = None  # .grad before the last batch's backward
 
+    def _as_step(self, name: str, got: torch.Tensor) -> torch.Tensor:
+        """One parameter's gradient of the last batch alone (at the step's scale) as the
+        step's: ``step_sum + √k·(got − own)``, on ``step_sum``'s device and dtype."""
+        ref = self.step_sum[name]
+        diff = got.to(ref.device, ref.dtype) - self.own[name].to(ref.device, ref.dtype)
+        return ref + math.sqrt(self.batches) * diff
+
     def as_step(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A gradient of the last batch alone (at the step's scale) as the step's: its
         distance from the batch's exact gradient times √k, about ``step_sum``."""
-        root = math.sqrt(self.batches)
-        return {
-            n: self.step_sum[n] + root * (g - self.own[n].to(g.device, g.dtype))
-            for n, g in grads.items()
-            if n in self.own
-        }
+        return {n: self._as_step(n, g) for n, g in grads.items() if n in self.own}
 
     def compressed_as_step(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The last batch's compressed gradient (``.grad`` now, less :attr:`before`) as
         the step's (:meth:`as_step`), one parameter at a time."""
-        root, before = math.sqrt(self.batches), self.before or {}
+        before = self.before or {}
         out: dict[str, torch.Tensor] = {}
         for n, p in model.named_parameters():
-            own = self.own.get(n)
-            if own is None:
-                continue
-            ref = self.step_sum[n]
-            got = dense(p.grad.detach()).to(ref.dtype) if p.grad is not None else 0.0
-            earlier = before[n].to(ref.device, ref.dtype) if n in before else 0.0
-            out[n] = ref + root * (got - earlier - own.to(ref.device, ref.dtype))
+            if n in self.own:
+                got = dense(p.grad.detach()) if p.grad is not None else torch.zeros_like(p)
+                out[n] = self._as_step(n, got - before[n].to(got.device) if n in before else got)
         return out

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepInputs", "tensors_in"]
+__all__ = ["SIXTEEN_BIT", "StepInputs", "tensors_in"]
 
 MAX_DEPTH = 8  # nesting followed into a batch (a dict of lists of tensors is 2)
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)

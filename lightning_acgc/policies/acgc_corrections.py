@@ -123,14 +123,14 @@ class ModelCorrections:
             return 1.0
         before = self.kappa
         if err_sq <= 0:
-            # (also where the model predicted none: every tensor kept as it is, as a
-            # 16-bit fit's first aim can choose; read as none, κ stayed and so did that)
             # exactly 0 (what was rounded did not reach the gradient): the model is high by
             # an unknown factor. κ loosens by the most allowed, and no reading is kept (a
             # clamped one held the mean down for ``history`` calibrations, halving κ to 3x
             # under the next readings, and e = 0.01 broke a layer's budget by 1.5x)
             # Within a measured rounding floor (acgc_rounding: a 16-bit backward) the error
-            # is under the precision's own noise: the first aim climbs 4x per calibration
+            # is under the precision's own noise: the first aim climbs 4x per calibration.
+            # Also where the model predicted none (every tensor kept as it is, as a 16-bit
+            # fit's first aim can choose): skipped, κ stayed and so did that allocation.
             self.kappa /= self.max_loosening ** (2 if self._floor_sq else 1)
             return self.kappa / before
         reading = max(err_sq / self._predicted, 1e-3)

@@ -29,12 +29,12 @@ import torch
 
 from lightning_acgc.codecs.base import Codec, Packed
 from lightning_acgc.engine.sites import SiteInfo
+from lightning_acgc.engine.step_inputs import SIXTEEN_BIT
 from lightning_acgc.policies._acgc_stats import per_module_sq_diff
 
 __all__ = ["FLOOR_PASS", "RoundingFloor", "UlpJitter"]
 
 FLOOR_PASS = "<rounding floor>"  # the probe class of the floor pass (no site is named so)
-SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
 class UlpJitter:

@@ -94,7 +94,7 @@ class BatchNormPaths:
         self._input_sq: dict[str, torch.Tensor] = {}  # weight op -> E[x²] of its input
         self._readings: dict[str, _Reading] = {}
         self._bns: set[str] = set()
-        self.unscale = 1.0  # 1 / the loss scale of the pass read (GradientStats.exact_pass)
+        self.unscale = 1.0  # 1 / the loss scale of an exact pass (GradientStats.exact_pass)
 
     def setup(self, model: nn.Module, weight_ops: set[str] | dict[str, int]) -> None:
         """The model's BatchNorms and weight ops (names, as ``named_modules`` gives)."""

@@ -36,9 +36,8 @@ class CalibratingPolicy(Policy):
         self._calibrating = False
         self._metrics: dict[str, float] = {}
         self._step_grads: dict[str, torch.Tensor] | None = None  # set_step_gradients'
-        self._retry_at: int | None = None  # a step that calibrates again (calibrate_again)
-        self._retry_from: int | None = None
-        self._retries = 0
+        self._retry_from: int | None = None  # the last step that calibrate_again named
+        self._retries = 0  # in a row, up to it
 
     def _codec(self, name: str, config_cls: type | None = None, **options: Any) -> Codec:
         """The codec ``name`` with ``options`` (built once, then reused). ``config_cls``:
@@ -85,7 +84,8 @@ class CalibratingPolicy(Policy):
 
     def is_calibration_step(self, step: int) -> bool:
         scheduled = is_calibration_step(step, self.calibrate_every, self.warmup_steps)
-        return scheduled or step == self._retry_at
+        retry = self._retry_from is not None and self._retries <= MAX_RETRIES
+        return scheduled or (retry and step == self._retry_from + 1)
 
     def calibrate_again(self, step: int) -> None:
         """Step ``step``'s calibration could not be read (its gradients overflowed: fp16's
@@ -93,7 +93,6 @@ class CalibratingPolicy(Policy):
         of a fit): calibrate on the next step too, up to ``MAX_RETRIES`` steps in a row."""
         self._retries = self._retries + 1 if step - 1 == self._retry_from else 1
         self._retry_from = step
-        self._retry_at = step + 1 if self._retries <= MAX_RETRIES else None
 
     def setup(self, model: nn.Module) -> None:
         self.stats.setup(model)

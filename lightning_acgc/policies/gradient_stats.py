@@ -135,7 +135,9 @@ class GradientStats:
         try:
             yield
         finally:
-            self._in_exact = False
+            self._in_exact, self._unscale = False, 1.0
+            if self.batch_norm is not None:
+                self.batch_norm.unscale = 1.0
 
     def batch_norm_tables(
         self, grads: dict[str, torch.Tensor] | None, reduce: Reduce | None
@@ -156,13 +158,15 @@ class GradientStats:
                     and out.is_floating_point()
                     and not _in_transform(out)
                 ):
-                    unscale = self._unscale if self._in_exact else 1.0
-                    out.register_hook(self._on_grad(name, self._in_exact, unscale))
+                    out.register_hook(self._on_grad(name))
 
         return hook
 
-    def _on_grad(self, name: str, exact: bool, unscale: float = 1.0):
-        pending = self._exact_pending if exact else self._pending
+    def _on_grad(self, name: str):
+        # (a pass's list and loss scale, as they are at its forward)
+        pending, unscale = (
+            (self._exact_pending, self._unscale) if self._in_exact else (self._pending, 1.0)
+        )
 
         def hook(grad: torch.Tensor) -> None:
             # Kept as a 0-d tensor: no device sync inside backward.

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_acgc.codecs.half import half_error_bound
+from lightning_acgc.codecs.half import HALF_SOURCE, half_error_bound
 from lightning_acgc.kernels.quant import group_view
 from lightning_acgc.kernels.quant.cpu import sr_variance_sums_cpu
 from lightning_acgc.policies.bit_allocation import QUANT_WIDTHS
@@ -83,7 +83,7 @@ def sr_variance(x: torch.Tensor, group_size: int, max_groups: int = 2048) -> tor
         var = f * (1 - f) * step[:, None].square()
         var = torch.where(kept[:, None] & is_zero, torch.zeros_like(var), var)
         out.append(var.double().mean())
-    if x.dtype in (torch.bfloat16, torch.float16):  # HALF keeps a 16-bit tensor as it is
+    if x.dtype != HALF_SOURCE:  # HALF declines it: kept as it is, no error
         out.append(torch.zeros((), dtype=torch.float64, device=x.device))
         return torch.stack(out)
     ulp_sq = (2 * half_error_bound(xg)).double().square()  # HALF, LADDER's last width
