@@ -96,18 +96,25 @@ def accuracy_table(accuracy: dict[str, Any] | None) -> list[str]:
     n = len(accuracy["seeds"])
     out = [
         f"| model | configuration | val acc, {n} seeds: mean ± std [min, max] | vs plain "
-        f"(pp) | ratio (acgc/ratio) |",
-        "| --- | --- | --- | --- | --- |",
+        f"(pp) | val loss: mean [min, max] | paired loss diff vs plain (± s.e.) | within "
+        f"plain's loss spread | ratio (acgc/ratio) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for model, info in accuracy["models"].items():
-        plain = info["configs"]["plain"]["mean"]
+        plain = info["configs"]["plain"]
         for i, (config, r) in enumerate(info["configs"].items()):
-            delta = 100 * (r["mean"] - plain)
+            delta = 100 * (r["mean"] - plain["mean"])
+            loss, diff, within = "–", "–", "–"
+            if "loss" in r:  # results from before the losses were recorded have none
+                loss = f"{r['loss']['mean']:.4f} [{r['loss']['min']:.4f}, {r['loss']['max']:.4f}]"
+                diff = f"{r['loss_diff']:+.4f} ± {r['loss_diff_se']:.4f}"
+                width = plain["loss"]["max"] - plain["loss"]["min"]
+                within = "yes" if abs(r["loss_diff"]) <= width else "no"
             out.append(
                 f"| {_name(model) if i == 0 else ''} | "
                 f"{LABELS.get(config, config)} | {100 * r['mean']:.2f} ± {100 * r['std']:.2f} "
-                f"[{100 * r['min']:.2f}, {100 * r['max']:.2f}] | {delta:+.2f} | "
-                f"{r['ratio_mean']:.1f}x |"
+                f"[{100 * r['min']:.2f}, {100 * r['max']:.2f}] | {delta:+.2f} | {loss} | "
+                f"{diff} | {within} | {r['ratio_mean']:.1f}x |"
             )
     out.append("")
     out += [
@@ -254,6 +261,14 @@ def bars(results: dict[str, dict[str, Any]]) -> tuple[list[str], list[str]]:
                 f"vs plain (bar: ≥ −{ACCURACY_BAR_PP:g} pp, or within plain's seed range "
                 f"[{100 * plain['min']:.2f}, {100 * plain['max']:.2f}]%)",
             )
+            if "loss" in r:
+                width = plain["loss"]["max"] - plain["loss"]["min"]
+                verdict(
+                    abs(r["loss_diff"]) <= width,
+                    f"validation loss of {_name(model)} with {BAR_POLICY}: "
+                    f"{r['loss_diff']:+.4f} ± {r['loss_diff_se']:.4f} vs plain on the same "
+                    f"seeds (bar: within plain's seed-to-seed spread {width:.4f})",
+                )
     if speed:
         on_cpu = speed["machine"]["device"] == "cpu"
         for model, info in speed["models"].items():

@@ -4,8 +4,10 @@ several seeds: mean and spread.
 Prints one JSON line. Every run is ``recipes.train.train`` on the composed Hydra config
 (``configs/``), one after the other in this process: the same data, model and trainer
 for every configuration, only ``compression=`` differs. Per model and configuration:
-the final ``val/acc`` of each seed, its mean, sample standard deviation, min and max,
-and the mean compression ratio logged by the callback (``acgc/ratio``).
+the final ``val/acc`` and ``val/loss`` of each seed, their mean, sample standard
+deviation, min and max, the paired validation-loss difference against plain on the same
+seed (same init and data order: its mean and standard error), and the mean of the
+compression ratio the callback logged last (``acgc/ratio``).
 
 ``--quick``: the ResNet recipe only (ResNet-18 at width 1/8 on digits, 3 epochs), plain
 vs acgc and gact. Full: every recipe at its offline default (10 epochs), plain vs acgc
@@ -77,6 +79,17 @@ def spread(values: list[float]) -> dict[str, float]:
     }
 
 
+def paired(losses: list[float], plain: list[float]) -> dict[str, float]:
+    """Mean and standard error of ``losses - plain``, seed by seed.
+
+    >>> paired([1.0, 2.0, 3.0], [1.0, 1.5, 3.5])
+    {'loss_diff': 0.0, 'loss_diff_se': 0.28868}
+    """
+    diffs = [a - b for a, b in zip(losses, plain, strict=True)]
+    se = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else 0.0
+    return {"loss_diff": round(statistics.fmean(diffs), 5), "loss_diff_se": round(se, 5)}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -96,8 +109,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     configs = args.configs or (
         ["plain", "acgc", "gact"] if args.quick else ["plain", "acgc", "quant2"]
     )
-    if "plain" not in configs:
-        configs = ["plain", *configs]
+    configs = ["plain", *(c for c in configs if c != "plain")]  # plain first: the pairing
 
     from recipes.config_schema import compose_config
     from recipes.train import RATIO_KEY, train
@@ -105,6 +117,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for model in models:
         rows: dict[str, Any] = {}
+        plain_losses: list[float] = []
         for config in configs:
             runs = []
             for seed in args.seeds:
@@ -114,14 +127,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     {
                         "seed": seed,
                         "val_acc": metrics.get(cfg.summary_metric, float("nan")),
+                        "val_loss": metrics.get("val/loss", float("nan")),
                         "ratio": metrics.get(RATIO_KEY, 1.0),
                         "seconds": metrics["fit_seconds"],
                     }
                 )
             accs = [r["val_acc"] for r in runs]
+            losses = [r["val_loss"] for r in runs]
+            plain_losses = plain_losses or losses
             rows[config] = {
                 "val_acc": [round(a, 5) for a in accs],
                 **spread(accs),
+                "val_loss": [round(v, 5) for v in losses],
+                "loss": spread(losses),
+                **paired(losses, plain_losses),
                 "ratio_mean": round(statistics.fmean(r["ratio"] for r in runs), 3),
                 "fit_seconds_mean": round(statistics.fmean(r["seconds"] for r in runs), 1),
             }
