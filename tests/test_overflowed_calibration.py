@@ -172,6 +172,27 @@ def test_fp16_with_a_grad_scaler_calibrates_at_the_step_s_loss_scale() -> None:
     assert cb.stats.ratio > 3
 
 
+def test_fp16_cheap_mode_reads_the_step_s_own_pass_unscaled() -> None:
+    """With ``verify=False`` the statistics come from the step's own backward, which ran
+    at the GradScaler's loss scale: read as recorded, every output gradient counted
+    scale² too large and every tensor was kept at 16 bits (1.13x; 4.34x unscaled, as in
+    float32 and with ``verify=True``)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_acgc.lightning.driver import loss_scale
+
+    ratios = {}
+    for precision in ("16-mixed", "32"):
+        cb = ActivationCompression("acgc", min_numel=0, print_table=False, verify=False)
+        scaler = torch.amp.GradScaler("cpu")
+        plugins = [MixedPrecision("16-mixed", "cpu", scaler=scaler)] if precision != "32" else []
+        trainer = fit(_SmallLoss(), [cb], max_steps=4, max_epochs=-1, plugins=plugins)
+        assert (loss_scale(trainer) > 1) == (precision != "32")
+        ratios[precision] = cb.stats.ratio
+        assert max(int(b) for b in cb.policy.site_bits.values()) < 16, precision
+    assert ratios["16-mixed"] > 3
+
+
 def test_a_calibration_that_overflowed_is_run_again_on_the_next_step() -> None:
     """The warm-up's three calibrations and the step after them overflow: step 4, off
     the schedule (``calibrate_every=100``), calibrates again and is read. Overflowing on

@@ -278,13 +278,17 @@ class CalibrationCycle:
         self._exact, self._batches, self._last = None, 0, None
 
     def end(self, model: nn.Module) -> bool:
-        """``policy.end_step`` for the step begun (once); whether it ran now."""
+        """``policy.end_step`` for the step begun (once), after ``set_loss_scale`` (the
+        step's ``loss_scale``, where the policy has it); whether it ran now."""
         if self.step is None or self.ended == self.step:
             return False
         last, self._exact, self._last = self._last, None, None
         hand_over = getattr(self.policy, "set_step_gradients", None)
         if last is not None and hand_over is not None:  # accumulated: read on its last batch
             hand_over(last.compressed_as_step(model))
+        set_scale = getattr(self.policy, "set_loss_scale", None)
+        if set_scale is not None:
+            set_scale(self.loss_scale)
         self.policy.end_step(self.step, model, self.reduce)
         self.ended = self.step
         return True

@@ -226,13 +226,13 @@ class CalibrationDriver:
             return
         self._batch = batch
         wants_exact = self.cycle.begin(trainer.global_step)
+        self.cycle.loss_scale = loss_scale(trainer)  # (fp16: the step's, and the passes')
         first_batch = self._noise_step != self.cycle.step
         self._noise_step = self.cycle.step
         if batch is None or not (wants_exact or self._wants_noise()):
             return
         if not self._exact_supported(trainer, pl_module):
             return
-        self.cycle.loss_scale = loss_scale(trainer)  # (fp16: the passes scaled as the step)
         if first_batch:
             self._add_noise_estimate(trainer, pl_module, batch, batch_idx)
         if not wants_exact:
@@ -363,6 +363,7 @@ class CalibrationDriver:
             engine.memory_budget = None
         try:
             wants_exact = cycle.begin(trainer.global_step)
+            cycle.loss_scale = 1.0  # (the pass below is not scaled)
             if (wants_exact or self._wants_noise()) and self._exact_supported(trainer, pl_module):
                 self._add_noise_estimate(trainer, pl_module, batch, 0)
                 if wants_exact:

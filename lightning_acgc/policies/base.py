@@ -9,6 +9,7 @@ The Lightning adapter drives a policy through one training step like this::
     ... forward under the engine: policy.codec_for(site, x) per saved tensor ...
     ... backward (gradients in p.grad) ...
     policy.set_step_gradients(grads)          # accumulated steps with an exact gradient
+    policy.set_loss_scale(scale)              # the step's loss scale (fp16's GradScaler)
     policy.end_step(step, model, reduce)      # before optimizer.step
     log(policy.metrics())
     policy.teardown()                         # fit end, also after an exception
@@ -91,6 +92,11 @@ class Policy:
         (the last batch's, the only one compressed under this step's settings, read as
         the step's: :class:`~lightning_acgc.engine.last_batch.LastBatch`), by name,
         averaged over ranks. Called just before :meth:`end_step`."""
+
+    def set_loss_scale(self, scale: float) -> None:
+        """The factor the step's own backward scaled its loss by (fp16's GradScaler; 1
+        otherwise): what the policy read on that pass is read divided by it. Called just
+        before :meth:`end_step`."""
 
     def end_step(self, step: int, model: nn.Module, reduce: Reduce) -> None:
         """Called after backward (gradients in ``p.grad``) and before the optimizer step."""

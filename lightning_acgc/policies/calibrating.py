@@ -113,6 +113,9 @@ class CalibratingPolicy(Policy):
     def set_step_gradients(self, grads: dict[str, torch.Tensor]) -> None:
         self._step_grads = grads  # (what end_step reads in place of p.grad)
 
+    def set_loss_scale(self, scale: float) -> None:
+        self.stats.loss_scale = scale  # (of the step's own pass: read without it)
+
     def _reduced_grad_sq(self, reduce: Reduce) -> dict[str, float]:
         """Stop gathering; squared output-gradient norms by module, averaged over ranks."""
         grad_sq = self.stats.stop()

@@ -74,6 +74,7 @@ class GradientStats:
         self._exact_pending: list[tuple[str, torch.Tensor]] = []  # of the exact passes
         self._in_exact = False
         self._unscale = 1.0  # 1 / the exact passes' loss scale
+        self.loss_scale = 1.0  # of the other passes (the step's own), read without it
         # set by a policy that models BatchNorm inputs' δ path (acgc): read alongside
         self.batch_norm: BatchNormPaths | None = None
 
@@ -90,6 +91,7 @@ class GradientStats:
     def start(self) -> None:
         """Begin gathering (clears the previous totals)."""
         self.grad_sq = {}
+        self.loss_scale = 1.0
         self._pending, self._exact_pending = [], []
         if self.batch_norm is not None:
             self.batch_norm.start()
@@ -104,8 +106,11 @@ class GradientStats:
         self._handles.clear()
         if self.batch_norm is not None:
             self.batch_norm.stop()
+        # the exact passes were unscaled as recorded; the step's own pass (read where no
+        # exact pass ran) is unscaled here, its loss scale known only after its backward
+        unscale_sq = 1.0 if self._exact_pending else self.loss_scale**-2
         for name, sq in self._exact_pending or self._pending:
-            self.grad_sq[name] = self.grad_sq.get(name, 0.0) + float(sq)
+            self.grad_sq[name] = self.grad_sq.get(name, 0.0) + float(sq) * unscale_sq
         self._pending, self._exact_pending = [], []
         return dict(self.grad_sq)
 
@@ -126,6 +131,11 @@ class GradientStats:
             >>> stats.start()
             >>> with stats.exact_pass(loss_scale=1024.0):  # read as the unscaled loss's
             ...     (1024.0 * model(torch.ones(1, 2))).sum().backward()
+            >>> stats.stop()
+            {'': 2.0}
+            >>> stats.start()  # no exact pass: the step's own, at its loss scale
+            >>> (1024.0 * model(torch.ones(1, 2))).sum().backward()
+            >>> stats.loss_scale = 1024.0
             >>> stats.stop()
             {'': 2.0}
         """
