@@ -151,3 +151,34 @@ def test_bf16_mixed_fit_logs_the_floor(accumulate: int) -> None:
     logged = trainer.callback_metrics
     assert "acgc/rounding_floor" in logged and 0 < float(logged["acgc/rounding_floor"]) < 0.1
     assert cb.stats.ratio > 1.5
+
+
+def test_calibrations_within_the_floor_raise_the_first_aim() -> None:
+    """Until κ has a reading the allocation aims at ``first_aim`` of the budget. A
+    calibration whose error is all within the floor gives no reading; it loosened κ
+    alone, which the per-layer budgets do not follow (they never loosen with κ), so a fit
+    whose errors stayed under a bf16 backward's noise kept the first aim's widths for
+    good (8 bits where one reading brings 6). Each such calibration now raises the aim 4x
+    (one width step: a bit is 4x the variance), κ as it was."""
+    from tests._lightning_models import TinyMLP
+
+    torch.manual_seed(0)
+    cb = ActivationCompression(
+        "acgc", min_numel=0, print_table=False, calibrate_every=1, warmup_steps=1
+    )
+    policy = cb.policy
+    policy.beyond_floor = lambda err, g_sq=0.0: dict.fromkeys(err, 0.0)  # all within
+    widths, aims, kappas = [], [], []
+
+    class Record(TinyMLP):
+        def on_train_batch_end(self, *args: object) -> None:
+            widths.append(dict(policy.site_bits))
+            aims.append(getattr(policy, "aim", None))
+            kappas.append(policy.kappa)
+
+    fit(Record(hidden=512, samples=256, batch_size=64), [cb], max_steps=4, precision="bf16-mixed")
+    (key,) = widths[1]  # the ReLU output saved for the second Linear
+    first = widths[1][key]
+    assert [w[key] for w in widths[1:]] == [first, first - 1, first - 2]
+    assert aims[1:] == [4 * ACGCPolicy.first_aim, 16 * ACGCPolicy.first_aim, 1.0]
+    assert len(set(kappas[:3])) == 1  # κ kept while the aim climbs

@@ -370,9 +370,7 @@ class ACGCPolicy(
         self._predicted_own = own
 
     def _allocate(self) -> None:
-        e_sq = self.error_target**2 * self.target / self.kappa
-        if self.codec == "quant" and self.verify and not self._readings:
-            e_sq *= self.first_aim  # κ is a guess until the first measurement
+        e_sq = self.error_target**2 * self.target * self.aim / self.kappa
         g_sq = self._budget_grad_sq  # relative: see there
         sens = self.probed_all(average(self._sens))
         latest = self.probed_all({k: v[-1] for k, v in self._sens.items()})

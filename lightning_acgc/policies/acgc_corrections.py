@@ -54,6 +54,28 @@ class ModelCorrections:
     layer_floor = 1e-12  # modules with ‖g_m‖² below this share of ‖g‖² are not held to e
     violation_memory = 0.97  # per calibration without a violation, the remembered value fades
     worst_layer: str | None = None  # the module of the last ``layer_budget_use`` reading
+    _aim_climbs = 0  # calibrations measured within a rounding floor before a reading
+
+    @property
+    def aim(self) -> float:
+        """The share of the budget an allocation aims at: 1, but ``first_aim`` (``quant``,
+        verified) until κ has its first reading, 4x higher after each calibration whose
+        error was within the backward's rounding floor (:mod:`~.acgc_rounding`).
+
+        Example:
+            >>> from lightning_acgc.policies.acgc import ACGCPolicy
+            >>> policy = ACGCPolicy()
+            >>> policy.aim == policy.first_aim
+            True
+            >>> policy._floor_sq = {"net.0": 1.0}  # a 16-bit backward's own noise
+            >>> policy._predicted, kappa = 1.0, policy.kappa
+            >>> _ = policy._measure(g_sq=1.0, err_sq=0.0)  # within it: no reading
+            >>> policy.aim == 4 * policy.first_aim, policy.kappa == kappa
+            (True, True)
+        """
+        if self._readings or not (self.codec == "quant" and self.verify):
+            return 1.0
+        return min(1.0, self.first_aim * 4.0**self._aim_climbs)
 
     @property
     def lam(self) -> float:
@@ -128,10 +150,16 @@ class ModelCorrections:
             # clamped one held the mean down for ``history`` calibrations, halving κ to 3x
             # under the next readings, and e = 0.01 broke a layer's budget by 1.5x)
             # Within a measured rounding floor (acgc_rounding: a 16-bit backward) the error
-            # is under the precision's own noise: the first aim climbs 4x per calibration.
-            # Also where the model predicted none (every tensor kept as it is, as a 16-bit
-            # fit's first aim can choose): skipped, κ stayed and so did that allocation.
-            self.kappa /= self.max_loosening ** (2 if self._floor_sq else 1)
+            # is under the precision's own noise: the first aim climbs 4x per calibration
+            # (κ alone loosened the global budget, never the per-layer ones, which kept the
+            # first aim for good: 8 bits where a reading gave 6, 3.5x against 4.3x), then
+            # κ loosens 4x. Also where the model predicted none (every tensor kept as it
+            # is, as a 16-bit fit's first aim can choose): skipped, κ stayed and so did
+            # that allocation.
+            if self._floor_sq and self.aim < 1.0:
+                self._aim_climbs += 1
+            else:
+                self.kappa /= self.max_loosening ** (2 if self._floor_sq else 1)
             return self.kappa / before
         reading = max(err_sq / self._predicted, 1e-3)
         self._readings.append(reading)
