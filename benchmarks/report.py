@@ -218,7 +218,7 @@ def render(results: Path = RESULTS, mode: str = "auto") -> str:
             "The best policy per model, full sizes beside quick ones", None, family_table(runs)
         )
     lines += _section(
-        "Accuracy (final validation accuracy, %)",
+        "Accuracy (final validation accuracy, %, and validation loss, paired by seed)",
         picked.get("accuracy"),
         accuracy_table(picked.get("accuracy")),
     )
