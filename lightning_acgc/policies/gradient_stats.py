@@ -70,8 +70,9 @@ class GradientStats:
         self.grad_sq: dict[str, float] = {}
         self._modules: list[tuple[str, nn.Module]] = []
         self._handles: list[RemovableHandle] = []
-        self._pending: list[tuple[str, torch.Tensor]] = []
-        self._exact_pending: list[tuple[str, torch.Tensor]] = []  # of the exact passes
+        # per output tensor of a forward: [module name, ‖δ‖² of its last backward or None]
+        self._pending: list[list] = []
+        self._exact_pending: list[list] = []  # of the exact passes
         self._in_exact = False
         self._unscale = 1.0  # 1 / the exact passes' loss scale
         self.loss_scale = 1.0  # of the other passes (the step's own), read without it
@@ -110,7 +111,8 @@ class GradientStats:
         # exact pass ran) is unscaled here, its loss scale known only after its backward
         unscale_sq = 1.0 if self._exact_pending else self.loss_scale**-2
         for name, sq in self._exact_pending or self._pending:
-            self.grad_sq[name] = self.grad_sq.get(name, 0.0) + float(sq) * unscale_sq
+            if sq is not None:
+                self.grad_sq[name] = self.grad_sq.get(name, 0.0) + float(sq) * unscale_sq
         self._pending, self._exact_pending = [], []
         return dict(self.grad_sq)
 
@@ -177,10 +179,16 @@ class GradientStats:
         pending, unscale = (
             (self._exact_pending, self._unscale) if self._in_exact else (self._pending, 1.0)
         )
+        # One entry per output, its last backward's: a loss with a gradient in it (a
+        # gradient penalty's autograd.grad(..., create_graph=True) inside the step) runs
+        # a backward of its own through the outputs first, of another loss (out.sum():
+        # δ with no 1/batch), which summed in put every tensor at 16 bits
+        entry = [name, None]
+        pending.append(entry)
 
         def hook(grad: torch.Tensor) -> None:
             # Kept as a 0-d tensor: no device sync inside backward.
             g = grad.detach().float()
-            pending.append((name, (g if unscale == 1.0 else g * unscale).square().sum()))
+            entry[1] = (g if unscale == 1.0 else g * unscale).square().sum()
 
         return hook
