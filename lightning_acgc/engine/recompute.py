@@ -79,12 +79,15 @@ class Recomputing:
         in another dtype (:mod:`~lightning_acgc.engine.param_casts`), or the batch's
         (:meth:`~lightning_acgc.engine.step_inputs.StepInputs.cast_source`), stored as
         nothing and cast again at unpack (bit-identical; under the identity control, held
-        as plain autograd holds it); a norm statistic
+        as plain autograd holds it); a parametrization's weight
+        (:mod:`~lightning_acgc.engine.param_weights`) or a norm statistic
         (:func:`~lightning_acgc.engine.sites.is_norm_statistic`) kept as it is."""
         control = getattr(self.policy, "control", False)  # the identity: all held as is
         param = None if control else self.tracker.frozen.source(t)
         source = None if control or param is not None else self.inputs.cast_source(t)
         if param is None and source is None:
+            if self.tracker.weights.holds(t):  # a parametrization's (param_weights.py)
+                return self._keep(site, t, key, ref, raw, "computed weight")
             if not sites.is_norm_statistic(site.module_type, t):
                 return None
             return self._keep(site, t, key, ref, raw, "norm statistic")

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_acgc.engine.param_casts import FrozenParameters
+from lightning_acgc.engine.param_weights import ComputedWeights
 
 __all__ = ["NORM_TYPES", "ModuleTracker", "SiteInfo", "is_norm_statistic", "saved_by_checkpoint"]
 
@@ -81,12 +82,14 @@ class ModuleTracker:
         self._names: dict[int, str] = {}
         self._thread = threading.get_ident()
         self.frozen = FrozenParameters(model)  # their copies are cast again (param_casts.py)
+        self.weights = ComputedWeights(model)  # kept as they are (param_weights.py)
 
     # -- installation -------------------------------------------------------
     def install(self) -> None:
         if self._handles:
             return
         self._thread = threading.get_ident()
+        self.weights.install()
         if self._model is not None:
             for name, module in self._model.named_modules():
                 self._names[id(module)] = name
@@ -106,6 +109,7 @@ class ModuleTracker:
             handle.remove()
         self._handles.clear()
         self._stack.clear()
+        self.weights.remove()
 
     # -- hooks --------------------------------------------------------------
     def _name_of(self, module: nn.Module) -> str:
@@ -136,6 +140,7 @@ class ModuleTracker:
         self._ordinals.clear()
         self._stack.clear()
         self.frozen.refresh()
+        self.weights.new_step()
 
     def next_site(self, checkpoint_input: bool = False) -> SiteInfo:
         module, module_type = self._stack[-1] if self._stack else ("", "")

@@ -13,11 +13,24 @@ from lightning_acgc.policies.base import Reduce
 __all__ = ["finite", "module_norms", "per_module_sq", "per_module_sq_diff", "reduce_tables"]
 
 
+def module_of(name: str) -> str:
+    """The module a parameter's gradient is read under: the name without its last part;
+    a parametrization's originals (``weight_norm``'s g and v, ``spectral_norm``'s weight)
+    under the module whose weight they make, the weight op the error model charges.
+
+    Example:
+        >>> module_of("net.2.bias"), module_of("net.2.parametrizations.weight.original0")
+        ('net.2', 'net.2')
+    """
+    owner, marker, _ = name.partition(".parametrizations.")
+    return owner if marker else name.rpartition(".")[0]
+
+
 def per_module_sq(grads: dict[str, torch.Tensor]) -> dict[str, float]:
     """Squared norm of the gradients by module (a parameter name without its last part)."""
     out: dict[str, float] = {}
     for name, g in grads.items():
-        module = name.rpartition(".")[0]
+        module = module_of(name)
         out[module] = out.get(module, 0.0) + squared_sum(g)
     return out
 
@@ -41,7 +54,7 @@ def per_module_sq_diff(
     out: dict[str, float] = {}
     for name, ref in reference.items():
         if name in grads:
-            module = name.rpartition(".")[0]
+            module = module_of(name)
             out[module] = out.get(module, 0.0) + squared_sum(grads[name], ref)
     return out
 
@@ -90,7 +103,7 @@ def module_norms(
     err_sq: dict[str, float] = {}
     compared: set[str] = set()  # modules with a parameter held against the exact gradient
     for name, p in model.named_parameters():
-        module = name.rpartition(".")[0]
+        module = module_of(name)
         g_sq.setdefault(module, 0.0)
         err_sq.setdefault(module, 0.0)
         held = p.grad if compressed is None else compressed.get(name)
