@@ -143,6 +143,13 @@ def test_weight_ops_of_other_libraries_have_a_fan_in() -> None:
     assert weight_fan_in(nn.Tanh()) is None
 
 
+def test_hugging_face_conv1d_is_a_weight_op() -> None:
+    """GPT-2's dense layer: ``addmm(bias, x, weight)`` with an (in, out) weight."""
+    from transformers.pytorch_utils import Conv1D
+
+    assert weight_fan_in(Conv1D(nf=12, nx=5)) == 5
+
+
 def test_first_allocation_aims_low_until_kappa_is_measured() -> None:
     """Before the first measured error κ is a guess (ResNet-50 at 224² measured 1.4-5x e
     on its first allocation): that allocation aims at ``first_aim`` of the budget."""

@@ -215,3 +215,43 @@ def test_an_lstm_compresses_with_the_library_kernel_off() -> None:
         ratios[library] = cb.stats.ratio
     assert ratios[True] < 1.3
     assert ratios[False] > 2.0
+
+
+class CausalLM(LightningModule):
+    """A two-layer GPT-2 (Hugging Face, random init) on random tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(
+            vocab_size=100, n_positions=32, n_embd=64, n_layer=2, n_head=2,
+            attn_implementation="eager",
+        )  # fmt: skip
+        self.net = GPT2LMHeadModel(config)
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        (x,) = batch
+        return self.net(input_ids=x, labels=x).loss
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(
+            TensorDataset(torch.randint(0, 100, (64, 32), generator=g)), batch_size=16
+        )
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_acgc_models_gpt2_s_dense_layers() -> None:
+    """GPT-2's dense layers are Hugging Face ``Conv1D`` modules, not ``nn.Linear``: read
+    as weight ops (their saved input charged fan_in·‖δ‖²), not by the heuristic other-ops
+    factor, under which the attention output was kept whole."""
+    torch.manual_seed(0)
+    cb = ActivationCompression(calibrate_every=2, print_table=False)
+    trainer = fit(CausalLM(), [cb], max_steps=6)
+    assert float(trainer.callback_metrics["acgc/layer_grad_error"]) <= 0.05
+    for key, record in cb.stats.sites.items():
+        if key.endswith("c_proj:0"):  # the attention's output, the MLP's activation
+            assert record.codec != "kept", key

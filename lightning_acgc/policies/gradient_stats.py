@@ -30,6 +30,9 @@ from lightning_acgc.policies.batch_norm_path import BatchNormPaths, Tables, redu
 __all__ = ["GradientStats", "weight_fan_in"]
 
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+# Other libraries' dense layers by class name: the dimension of their 2-D weight that is
+# the fan-in (PyTorch Geometric's Linear: (out, in); Hugging Face's Conv1D: (in, out))
+_DENSE_IN_DIM = {"Linear": 1, "Conv1D": 0}
 # True for a tensor made inside a torch.func transform (vmap, grad, jacrev): its gradient
 # is the transform's own, and reading it (float()) raises there.
 _in_transform = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda t: False)
@@ -41,7 +44,9 @@ def weight_fan_in(module: nn.Module) -> int | None:
 
     Other libraries' dense layers named ``Linear`` with a 2-D (out, in) ``weight``
     (PyTorch Geometric's, inside GCNConv, SAGEConv, ...) count as Linear: without them
-    a GNN's weight ops were modelled only by the heuristic other-ops factor.
+    a GNN's weight ops were modelled only by the heuristic other-ops factor. So does
+    Hugging Face's ``Conv1D`` (GPT-2's dense layer: ``addmm`` with an (in, out) weight),
+    without which a GPT-2's attention output was kept whole and its widths ran to 7 bits.
 
     Example:
         >>> weight_fan_in(nn.Conv2d(16, 32, 3)), weight_fan_in(nn.ReLU())
@@ -53,12 +58,12 @@ def weight_fan_in(module: nn.Module) -> int | None:
         return module.in_channels // module.groups * math.prod(module.kernel_size)
     weight = getattr(module, "weight", None)
     if (
-        type(module).__name__ == "Linear"
+        type(module).__name__ in _DENSE_IN_DIM
         and isinstance(weight, nn.Parameter)
         and not isinstance(weight, nn.parameter.UninitializedParameter)
         and weight.dim() == 2
     ):
-        return int(weight.shape[1])
+        return int(weight.shape[_DENSE_IN_DIM[type(module).__name__]])
     return None
 
 
