@@ -255,3 +255,32 @@ def test_acgc_models_gpt2_s_dense_layers() -> None:
     for key, record in cb.stats.sites.items():
         if key.endswith("c_proj:0"):  # the attention's output, the MLP's activation
             assert record.codec != "kept", key
+
+
+class LlamaLM(CausalLM):
+    """A two-layer Llama (Hugging Face: LlamaRMSNorm, rotary positions, SiLU MLP)."""
+
+    def __init__(self) -> None:
+        LightningModule.__init__(self)
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=100, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+            attn_implementation="eager",
+        )  # fmt: skip
+        self.net = LlamaForCausalLM(config)
+
+
+def test_acgc_reads_another_library_s_rms_norm_as_a_norm() -> None:
+    """LlamaRMSNorm is no nn.RMSNorm but normalizes as one: its 1/rms per row is a norm
+    statistic (kept as it is, for every policy), its input's error counts relative to
+    the input's spread. Read as any op, κ ran to 33 and the widths to 13 bits a value."""
+    torch.manual_seed(0)
+    cb = ActivationCompression(calibrate_every=2, print_table=False)
+    trainer = fit(LlamaLM(), [cb], max_steps=6)
+    statistics = [r for r in cb.stats.sites.values() if r.module_type == "LlamaRMSNorm"]
+    statistics = [r for r in statistics if r.shape[-1] == 1 and not r.shared_with]
+    assert statistics and all(r.settings == "norm statistic" for r in statistics)
+    assert float(trainer.callback_metrics["acgc/layer_grad_error"]) <= 0.05
+    assert 0.1 < cb.policy.kappa < 4

@@ -14,7 +14,14 @@ from torch.utils.hooks import RemovableHandle
 from lightning_acgc.engine.param_casts import FrozenParameters
 from lightning_acgc.engine.param_weights import ComputedWeights
 
-__all__ = ["NORM_TYPES", "ModuleTracker", "SiteInfo", "is_norm_statistic", "saved_by_checkpoint"]
+__all__ = [
+    "NORM_TYPES",
+    "ModuleTracker",
+    "SiteInfo",
+    "is_norm_statistic",
+    "is_norm_type",
+    "saved_by_checkpoint",
+]
 
 NORM_TYPES = frozenset(
     {
@@ -30,6 +37,20 @@ NORM_TYPES = frozenset(
         "RMSNorm",
     }
 )
+# Other libraries' norms by the end of their class name: Hugging Face's LlamaRMSNorm,
+# MistralRMSNorm, T5LayerNorm, ... (composed of elementwise ops, as nn.RMSNorm in Python)
+NORM_SUFFIXES = ("RMSNorm", "LayerNorm")
+
+
+def is_norm_type(module_type: str) -> bool:
+    """Whether a module of class ``module_type`` normalizes its input: one of
+    ``NORM_TYPES`` or a class named like one (another library's).
+
+    Example:
+        >>> is_norm_type("LayerNorm"), is_norm_type("LlamaRMSNorm"), is_norm_type("Linear")
+        (True, True, False)
+    """
+    return module_type in NORM_TYPES or module_type.endswith(NORM_SUFFIXES)
 
 
 @dataclass(frozen=True)
@@ -218,6 +239,6 @@ def is_norm_statistic(module_type: str, x: torch.Tensor) -> bool:
         >>> is_norm_statistic("GroupNorm", torch.zeros(64, 32))
         True
     """
-    if module_type not in NORM_TYPES or not x.is_floating_point():
+    if not is_norm_type(module_type) or not x.is_floating_point():
         return False
     return x.dim() <= 1 or x.shape[-1] == 1 or (module_type == "GroupNorm" and x.dim() == 2)

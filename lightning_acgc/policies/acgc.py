@@ -56,7 +56,7 @@ from torch import nn
 from lightning_acgc.codecs.base import Codec
 from lightning_acgc.codecs.spec import CodecSpec
 from lightning_acgc.engine.meter import SiteRecord
-from lightning_acgc.engine.sites import SiteInfo
+from lightning_acgc.engine.sites import SiteInfo, is_norm_type
 from lightning_acgc.policies import error_model
 from lightning_acgc.policies._acgc_stats import finite, module_norms, per_module_sq, reduce_tables
 from lightning_acgc.policies._schedule import check_int
@@ -336,7 +336,7 @@ class ACGCPolicy(
         self._norm_params = [
             n
             for n, m in model.named_modules()
-            if type(m).__name__ in error_model.NORM_TYPES and getattr(m, "weight", None) is not None
+            if is_norm_type(type(m).__name__) and getattr(m, "weight", None) is not None
         ]
 
     def _calibrate(self, grad_sq: dict, g_sq: float, layer: dict, reduce: Reduce | None) -> None:

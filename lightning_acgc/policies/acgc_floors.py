@@ -36,14 +36,13 @@ import math
 
 import torch
 
-from lightning_acgc.engine.sites import SiteInfo
+from lightning_acgc.engine.sites import SiteInfo, is_norm_type
 from lightning_acgc.policies.acgc_allocation import UNCONSTRAINED, average
 from lightning_acgc.policies.acgc_probes import tensor_class
 from lightning_acgc.policies.bit_allocation import HALF, KEEP, LADDER, allocate_to_error
 from lightning_acgc.policies.checkpoint_regions import RegionKinds
 from lightning_acgc.policies.error_model import (
     BIAS_FLOOR,
-    NORM_TYPES,
     SATURATING_TYPES,
     SOFTMAX_TYPES,
     norm_inv_var,
@@ -316,7 +315,7 @@ class ScopeFloors:
         normalization input's 1/variance, and whether a saturating activation saved it (by
         its module's type, or by the autograd node that made it: F.softmax inside an
         attention module has that module's type)."""
-        if site.module_type in NORM_TYPES:
+        if is_norm_type(site.module_type):
             inv_var = norm_inv_var(x, site.module_type)
             if inv_var is not None and math.isfinite(inv_var):
                 self._inv_var[site.key] = inv_var

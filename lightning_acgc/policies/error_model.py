@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_acgc.engine.meter import LOSS_HALF, SiteRecord
-from lightning_acgc.engine.sites import NORM_TYPES, is_norm_statistic
+from lightning_acgc.engine.sites import NORM_SUFFIXES, NORM_TYPES, is_norm_statistic, is_norm_type
 
 __all__ = [
     "NORM_TYPES",
@@ -145,7 +145,7 @@ def tensor_sensitivities(
             if rec.module in fan_in:
                 root.add(rec.module, fan_in[rec.module] * delta_sq)
                 continue
-            norm = rec.module_type in NORM_TYPES
+            norm = is_norm_type(rec.module_type)
             scale = (inv_var or {}).get(rec.key, 1.0) if norm else 1.0
             path = tables.get(rec.module, {}) if "BatchNorm" in rec.module_type else {}
             if exact_masks and rec.module_type in MASK_READERS:
@@ -288,7 +288,7 @@ def norm_inv_var(x: torch.Tensor, module_type: str) -> float | None:
     x = x.detach().float()
     if batch_norm:
         var = x.transpose(0, 1).reshape(x.shape[1], -1).var(dim=1)
-    elif module_type in ("LayerNorm", "RMSNorm") and x.dim() >= 1 and x.shape[-1] > 1:
+    elif module_type.endswith(NORM_SUFFIXES) and x.dim() >= 1 and x.shape[-1] > 1:
         var = x.reshape(-1, x.shape[-1]).var(dim=1)
     else:
         var = x.reshape(1, -1).var(dim=1)
