@@ -20,6 +20,7 @@ __all__ = [
     "SiteInfo",
     "is_norm_statistic",
     "is_norm_type",
+    "is_row_norm",
     "saved_by_checkpoint",
 ]
 
@@ -37,20 +38,32 @@ NORM_TYPES = frozenset(
         "RMSNorm",
     }
 )
-# Other libraries' norms by the end of their class name: Hugging Face's LlamaRMSNorm,
-# MistralRMSNorm, T5LayerNorm, ... (composed of elementwise ops, as nn.RMSNorm in Python)
-NORM_SUFFIXES = ("RMSNorm", "LayerNorm")
+# Other libraries' row norms by their class name: Hugging Face's LlamaRMSNorm,
+# T5LayerNorm (elementwise ops, as nn.RMSNorm in Python), timm's LayerNorm2d, apex's
+# FusedLayerNorm, ...
+ROW_NORM_MARKERS = ("RMSNorm", "LayerNorm")
 
 
 def is_norm_type(module_type: str) -> bool:
     """Whether a module of class ``module_type`` normalizes its input: one of
-    ``NORM_TYPES`` or a class named like one (another library's).
+    ``NORM_TYPES`` or a row norm named like one (another library's).
 
     Example:
         >>> is_norm_type("LayerNorm"), is_norm_type("LlamaRMSNorm"), is_norm_type("Linear")
         (True, True, False)
     """
-    return module_type in NORM_TYPES or module_type.endswith(NORM_SUFFIXES)
+    return module_type in NORM_TYPES or is_row_norm(module_type)
+
+
+def is_row_norm(module_type: str) -> bool:
+    """Whether a module of class ``module_type`` normalizes each row of its input's last
+    dimension (LayerNorm, RMSNorm, and classes named with either).
+
+    Example:
+        >>> is_row_norm("LayerNorm2d"), is_row_norm("MixedFusedRMSNorm"), is_row_norm("GroupNorm")
+        (True, True, False)
+    """
+    return any(marker in module_type for marker in ROW_NORM_MARKERS)
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_acgc.engine.meter import LOSS_HALF, SiteRecord
-from lightning_acgc.engine.sites import NORM_SUFFIXES, NORM_TYPES, is_norm_statistic, is_norm_type
+from lightning_acgc.engine.sites import NORM_TYPES, is_norm_statistic, is_norm_type, is_row_norm
 
 __all__ = [
     "NORM_TYPES",
@@ -288,7 +288,7 @@ def norm_inv_var(x: torch.Tensor, module_type: str) -> float | None:
     x = x.detach().float()
     if batch_norm:
         var = x.transpose(0, 1).reshape(x.shape[1], -1).var(dim=1)
-    elif module_type.endswith(NORM_SUFFIXES) and x.dim() >= 1 and x.shape[-1] > 1:
+    elif is_row_norm(module_type) and x.dim() >= 1 and x.shape[-1] > 1:
         var = x.reshape(-1, x.shape[-1]).var(dim=1)
     else:
         var = x.reshape(1, -1).var(dim=1)
