@@ -80,7 +80,8 @@ class Recomputing:
         (:meth:`~lightning_acgc.engine.step_inputs.StepInputs.cast_source`), stored as
         nothing and cast again at unpack (bit-identical; under the identity control, held
         as plain autograd holds it); a parametrization's weight
-        (:mod:`~lightning_acgc.engine.param_weights`) or a norm statistic
+        (:mod:`~lightning_acgc.engine.param_weights`), a row statistic
+        (:func:`~lightning_acgc.engine.sites.is_row_statistic`) or a norm statistic
         (:func:`~lightning_acgc.engine.sites.is_norm_statistic`) kept as it is."""
         control = getattr(self.policy, "control", False)  # the identity: all held as is
         param = None if control else self.tracker.frozen.source(t)
@@ -88,6 +89,9 @@ class Recomputing:
         if param is None and source is None:
             if self.tracker.weights.holds(t):  # a parametrization's (param_weights.py)
                 return self._keep(site, t, key, ref, raw, "computed weight")
+            before = [entry.tensor() for entry in list(self._recent)[-4:]]
+            if sites.is_row_statistic(t, before):  # an attention's log-sum-exp
+                return self._keep(site, t, key, ref, raw, "row statistic")
             if not sites.is_norm_statistic(site.module_type, t):
                 return None
             return self._keep(site, t, key, ref, raw, "norm statistic")
