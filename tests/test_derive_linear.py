@@ -109,6 +109,23 @@ def test_plan_replays_view_transpose_and_copy():
     assert plan.gain(None) == pytest.approx(linear_gain(lin.weight))
 
 
+def test_a_dense_layer_with_an_in_out_weight_is_remade() -> None:
+    """Hugging Face's Conv1D (GPT-2's dense layer): ``addmm(b, x, W)`` with W (in, out)
+    used as it is, no transpose; its output remade as nn.Linear's, the same gain."""
+    from transformers.pytorch_utils import Conv1D
+
+    dense = Conv1D(nf=6, nx=8)
+    x = torch.randn(10, 8, requires_grad=True) * 1.0
+    y = torch.addmm(dense.bias, x, dense.weight).view(10, 3, 2).transpose(0, 1)  # as forward
+    plan = linear_output(y, y._base, [Origin.of(x)])  # (a view of the product)
+    assert plan is not None and plan.name == "linear"
+    torch.testing.assert_close(plan.fn(x.detach()), y.detach())
+    assert plan.gain(None) == pytest.approx(linear_gain(dense.weight.t()))
+    w = dense.weight * 1.0  # computed: not remade
+    z = torch.addmm(dense.bias, x, w)
+    assert linear_output(z, z, [Origin.of(x)]) is None
+
+
 def test_a_view_at_an_offset_of_the_product_is_placed():
     lin = nn.Linear(8, 12)
     x = torch.randn(10, 8, requires_grad=True) * 1.0

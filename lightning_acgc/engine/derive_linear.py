@@ -53,13 +53,16 @@ def made_by_linear(base: torch.Tensor) -> bool:
     return layout_chain(base, _is_product) is not None
 
 
-def _weight(edge: tuple[object, int]) -> torch.Tensor | None:
-    """The parameter behind ``Wᵀ`` (a transpose of a leaf); None otherwise."""
+def _weight(edge: tuple[object, int]) -> tuple[torch.Tensor, bool] | None:
+    """The parameter behind the product's second factor and whether it is used
+    transposed: ``Wᵀ`` of an (out, in) weight (nn.Linear), or an (in, out) weight as it is
+    (Hugging Face's ``Conv1D``, GPT-2's dense layer); None otherwise."""
     node = edge[0]
-    if node is None or type(node).__name__ != "TBackward0":
+    transposed = node is not None and type(node).__name__ == "TBackward0"
+    param = used_param(node.next_functions[0] if transposed else edge)  # type: ignore[union-attr]
+    if not isinstance(param, torch.Tensor) or param.dim() != 2:
         return None
-    param = used_param(node.next_functions[0])  # type: ignore[attr-defined]
-    return param if isinstance(param, torch.Tensor) and param.dim() == 2 else None
+    return param, transposed
 
 
 def linear_gain(weight: torch.Tensor, alpha: float = 1.0) -> float:
@@ -92,18 +95,20 @@ def linear_output(
         return None
     bias = used_param(edges[0]) if with_bias else None
     input_edge, weight_edge = edges[1:] if with_bias else edges
-    weight = _weight(weight_edge)
-    if weight is None or bias is False or len(shape) != 2:
+    used = _weight(weight_edge)
+    if used is None or bias is False or len(shape) != 2:
         return None
+    weight, transposed = used
+    factor = weight.t() if transposed else weight  # (in, out): the product's x·factor
     rows = shape[0]
     found = [
         i
         for i in range(len(recent) - 1, -1, -1)
         if recent[i].made(input_edge)
         and recent[i].dtype == base.dtype
-        and tuple(recent[i].shape) == (rows, weight.shape[1])
+        and tuple(recent[i].shape) == (rows, factor.shape[0])
     ]
-    if not found or tuple(shape) != (rows, weight.shape[0]):
+    if not found or tuple(shape) != (rows, factor.shape[1]):
         return None
     alpha = float(getattr(node, "_saved_alpha", 1)) if with_bias else 1.0
     beta = float(getattr(node, "_saved_beta", 1)) if with_bias else 1.0
@@ -114,15 +119,15 @@ def linear_output(
     def fn(x_hat: torch.Tensor) -> torch.Tensor:
         unchanged()
         with torch.no_grad():  # (the casts: autocast's, see used_param; else no-ops)
-            w = weight.to(base.dtype)
+            w = factor.to(base.dtype)
             if bias is None:
-                y = torch.mm(x_hat, w.t())
+                y = torch.mm(x_hat, w)
                 y = y * alpha if alpha != 1.0 else y
             else:
-                y = torch.addmm(bias.to(base.dtype), x_hat, w.t(), beta=beta, alpha=alpha)
+                y = torch.addmm(bias.to(base.dtype), x_hat, w, beta=beta, alpha=alpha)
             return view(chain.replay(y))
 
     def gain(x: torch.Tensor | None) -> float:
-        return linear_gain(weight, alpha)
+        return linear_gain(factor.t(), alpha)
 
-    return Derivation(fn, (found[0],), "linear", gain, multiplies=int(weight.shape[1]))
+    return Derivation(fn, (found[0],), "linear", gain, multiplies=int(factor.shape[0]))
