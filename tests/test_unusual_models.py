@@ -218,17 +218,11 @@ def test_an_lstm_compresses_with_the_library_kernel_off() -> None:
 
 
 class CausalLM(LightningModule):
-    """A two-layer GPT-2 (Hugging Face, random init) on random tokens."""
+    """A Hugging Face causal LM (random init) on random tokens."""
 
-    def __init__(self) -> None:
+    def __init__(self, net: nn.Module) -> None:
         super().__init__()
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        config = GPT2Config(
-            vocab_size=100, n_positions=32, n_embd=64, n_layer=2, n_head=2,
-            attn_implementation="eager",
-        )  # fmt: skip
-        self.net = GPT2LMHeadModel(config)
+        self.net = net
 
     def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
         (x,) = batch
@@ -244,32 +238,40 @@ class CausalLM(LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
+def _gpt2() -> nn.Module:
+    """A two-layer GPT-2 (its dense layers are ``Conv1D``)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=100, n_positions=32, n_embd=64, n_layer=2, n_head=2,
+        attn_implementation="eager",
+    )  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+def _llama() -> nn.Module:
+    """A two-layer Llama (LlamaRMSNorm, rotary positions, SiLU MLP)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+        attn_implementation="eager",
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
 def test_acgc_models_gpt2_s_dense_layers() -> None:
     """GPT-2's dense layers are Hugging Face ``Conv1D`` modules, not ``nn.Linear``: read
     as weight ops (their saved input charged fan_in·‖δ‖²), not by the heuristic other-ops
     factor, under which the attention output was kept whole."""
     torch.manual_seed(0)
     cb = ActivationCompression(calibrate_every=2, print_table=False)
-    trainer = fit(CausalLM(), [cb], max_steps=6)
+    trainer = fit(CausalLM(_gpt2()), [cb], max_steps=6)
     assert float(trainer.callback_metrics["acgc/layer_grad_error"]) <= 0.05
     for key, record in cb.stats.sites.items():
         if key.endswith("c_proj:0"):  # the attention's output, the MLP's activation
             assert record.codec != "kept", key
-
-
-class LlamaLM(CausalLM):
-    """A two-layer Llama (Hugging Face: LlamaRMSNorm, rotary positions, SiLU MLP)."""
-
-    def __init__(self) -> None:
-        LightningModule.__init__(self)
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        config = LlamaConfig(
-            vocab_size=100, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-            attn_implementation="eager",
-        )  # fmt: skip
-        self.net = LlamaForCausalLM(config)
 
 
 def test_acgc_reads_another_library_s_rms_norm_as_a_norm() -> None:
@@ -278,7 +280,7 @@ def test_acgc_reads_another_library_s_rms_norm_as_a_norm() -> None:
     the input's spread. Read as any op, κ ran to 33 and the widths to 13 bits a value."""
     torch.manual_seed(0)
     cb = ActivationCompression(calibrate_every=2, print_table=False)
-    trainer = fit(LlamaLM(), [cb], max_steps=6)
+    trainer = fit(CausalLM(_llama()), [cb], max_steps=6)
     statistics = [r for r in cb.stats.sites.values() if r.module_type == "LlamaRMSNorm"]
     statistics = [r for r in statistics if r.shape[-1] == 1 and not r.shared_with]
     assert statistics and all(r.settings == "norm statistic" for r in statistics)

@@ -5,6 +5,7 @@ and LayerNorm outputs (:mod:`lightning_acgc.engine.derive`)."""
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import Any, NamedTuple
 
@@ -89,7 +90,8 @@ class Recomputing:
         if param is None and source is None:
             if self.tracker.weights.holds(t):  # a parametrization's (param_weights.py)
                 return self._keep(site, t, key, ref, raw, "computed weight")
-            before = [entry.tensor() for entry in list(self._recent)[-4:]]
+            before = (entry.tensor() for entry in itertools.islice(reversed(self._recent), 4))
+            # (``before`` is read only for a floating tensor without history: lazily)
             if sites.is_row_statistic(t, before):  # an attention's log-sum-exp
                 return self._keep(site, t, key, ref, raw, "row statistic")
             if not sites.is_norm_statistic(site.module_type, t):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from types import FrameType
 
@@ -258,7 +259,7 @@ def is_norm_statistic(module_type: str, x: torch.Tensor) -> bool:
     return x.dim() <= 1 or x.shape[-1] == 1 or (module_type == "GroupNorm" and x.dim() == 2)
 
 
-def is_row_statistic(x: torch.Tensor, recent: list[torch.Tensor | None]) -> bool:
+def is_row_statistic(x: torch.Tensor, recent: Iterable[torch.Tensor | None]) -> bool:
     """Whether ``x`` is a per-row statistic an op saves beside its input (without history,
     floating, the shape of one of ``recent``, the tensors saved just before it, less its
     last dimension): a fused attention's log-sum-exp per query row
