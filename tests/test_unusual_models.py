@@ -272,6 +272,14 @@ def test_acgc_models_gpt2_s_dense_layers() -> None:
     for key, record in cb.stats.sites.items():
         if key.endswith("c_proj:0"):  # the attention's output, the MLP's activation
             assert record.codec != "kept", key
+    # GPT-2's NewGELUActivation, op by op: the tanh, 0.5·x and 1 + tanh it saves and its
+    # output (the MLP's c_proj input) remade by running it again (engine/replay.py)
+    remade = [k for k, r in cb.stats.sites.items() if "NewGELUActivation run again" in r.settings]
+    assert sorted(remade) == sorted(
+        f"net.transformer.h.{i}.{site}"
+        for i in range(2)
+        for site in ("mlp.act:1", "mlp.act:2", "mlp.act:3", "mlp.c_proj:0")
+    )
 
 
 def test_acgc_reads_another_library_s_rms_norm_as_a_norm() -> None:

@@ -82,6 +82,7 @@ class ActivationCompressor(Recomputing):
     ) -> None:
         self.policy = policy
         self.tracker = ModuleTracker(model)
+        self.tracker.replays.policy = lambda: self.policy  # (read at each call: replay.py)
         self.stats = CompressionStats()
         settings = settings or EngineSettings()
         self.min_numel = settings.min_numel

@@ -132,17 +132,24 @@ class Recomputing:
     def _derived(self, site: SiteInfo, t: torch.Tensor, key: tuple, ref: Any, raw: int) -> Any:
         """An activation's or a LayerNorm's output whose input was saved just before:
         stored as nothing, remade at unpack from what the input's holder unpacks (see
-        :mod:`lightning_acgc.engine.derive`). None where it is not such an output (the
+        :mod:`lightning_acgc.engine.derive`; a tensor of an elementwise module's call:
+        :mod:`lightning_acgc.engine.replay`). None where it is not such an output (the
         caller packs it as usual). The site's record names the input's site
         (``derived_from``) and, on the policy's measuring steps, the mean factor (``gain``)
         by which the input's rounding variance reaches it."""
-        if not derive.derived_output(t):
+        replays = self.tracker.replays
+        derivable = derive.derived_output(t)
+        if not derivable and not replays.candidate(site.module, t):
             return None
         if site.outside_every_module and not self.compress_loss:
             return None  # the loss's tensors: as float16 (EngineSettings.compress_loss)
         recent = [entry for entry in self._recent if entry.origin is not None]
         origins = [entry.origin for entry in recent]
-        plan = derive.derive_plan(t, origins, self._locator(recent), self.remake_products)
+        plan = None
+        if derivable:
+            plan = derive.derive_plan(t, origins, self._locator(recent), self.remake_products)
+        if plan is None:  # a tensor of an elementwise module's call (replay.py)
+            plan = replays.plan(site.module, site.ordinal, t, origins)
         if plan is None:
             return None
         entries = [recent[i] for i in plan.sources]

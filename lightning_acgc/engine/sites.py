@@ -14,6 +14,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_acgc.engine.param_casts import FrozenParameters
 from lightning_acgc.engine.param_weights import ComputedWeights
+from lightning_acgc.engine.replay import ModuleReplays
 
 __all__ = [
     "NORM_TYPES",
@@ -119,6 +120,7 @@ class ModuleTracker:
         self._thread = threading.get_ident()
         self.frozen = FrozenParameters(model)  # their copies are cast again (param_casts.py)
         self.weights = ComputedWeights(model)  # kept as they are (param_weights.py)
+        self.replays = ModuleReplays()  # elementwise modules' saves, remade (replay.py)
 
     # -- installation -------------------------------------------------------
     def install(self) -> None:
@@ -146,6 +148,7 @@ class ModuleTracker:
         self._handles.clear()
         self._stack.clear()
         self.weights.remove()
+        self.replays.forget()
 
     # -- hooks --------------------------------------------------------------
     def _name_of(self, module: nn.Module) -> str:
@@ -162,19 +165,23 @@ class ModuleTracker:
         if torch.compiler.is_compiling():
             return
         if threading.get_ident() == self._thread:
-            self._stack.append((self._name_of(module), type(module).__name__))
+            name = self._name_of(module)
+            self._stack.append((name, type(module).__name__))
+            self.replays.enter(module, name, args, self._ordinals.get(name, 0))
 
     def _exit(self, module: nn.Module, args: object, output: object) -> None:
         if torch.compiler.is_compiling():
             return
         if threading.get_ident() == self._thread and self._stack:
             self._stack.pop()
+            self.replays.exit(module, output)
 
     # -- sites --------------------------------------------------------------
     def new_step(self) -> None:
         """Restart the per-module ordinals (sites are numbered per step)."""
         self._ordinals.clear()
         self._stack.clear()
+        self.replays.new_step()
         self.frozen.refresh()
         self.weights.new_step()
 

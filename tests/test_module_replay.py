@@ -1,0 +1,157 @@
+"""Tensors saved inside a parameter-free elementwise module (GPT-2's NewGELU written op by
+op), and its output, remade at unpack by running the module again on its decoded input
+(lightning_acgc.engine.replay), for policies that set ``derives_elementwise`` (acgc)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_acgc import compress_activations
+from lightning_acgc.codecs.spec import CodecSpec
+from lightning_acgc.engine import ActivationCompressor
+from lightning_acgc.engine.replay import replay
+from tests.test_derive import Deriving, Mlp, _grads, _inputs
+
+
+class NewGelu(nn.Module):
+    """Hugging Face's ``NewGELUActivation``: four tensors of its input's size saved."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        NewGelu.calls += x.dim() > 1  # (not the gains' runs on a flat sample)
+        inner = math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))
+        return 0.5 * x * (1.0 + torch.tanh(inner))
+
+
+class RandomGate(nn.Module):
+    """Smooth ops around a random mask: run again, it draws another."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.pow(x, 2.0) * (torch.rand_like(x) > 0.5))
+
+
+class Clamped(nn.Module):
+    """A jump (the clamp's mask) between the input and what it saves."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(x).clamp(0.2, 0.8)
+
+
+class ScaledTanh(nn.Module):
+    """A parameter: not a module the engine runs again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.tanh(self.scale * x)
+
+
+class Measuring(Deriving):
+    measuring = False  # not measuring: sites checked at first sight only
+
+
+def _remade(stats) -> dict[str, str]:
+    return {k: r.settings for k, r in stats.sites.items() if "run again" in r.settings}
+
+
+def test_saves_and_output_are_remade_and_give_plain_gradients():
+    torch.manual_seed(0)
+    model, x = Mlp(NewGelu()), _inputs()
+    plain, _ = _grads(model, x)
+    remade, stats = _grads(model, x, Deriving(None))
+    for a, b in zip(remade, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    settings = _remade(stats)
+    # the tanh, 0.5·x and 1 + tanh inside; the output, saved by the second Linear
+    assert sorted(settings) == ["act:1", "act:2", "act:3", "b:0"]
+    assert settings["b:0"] == "NewGelu run again (output) of act:0"
+    for key in settings:
+        rec = stats.sites[key]
+        assert rec.codec == "recomputed" and rec.packed_bytes == 0
+        assert rec.derived_from == "act:0" and 0 < rec.gain < 2
+
+
+def _node(t: torch.Tensor, kind: str):
+    stack = [t.grad_fn]
+    while stack:
+        node = stack.pop()
+        if type(node).__name__ == kind:
+            return node
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    raise AssertionError(kind)
+
+
+def test_remade_from_the_decoded_input():
+    torch.manual_seed(0)
+    model, x = Mlp(NewGelu()), _inputs(1)
+    with compress_activations(model=model, policy=Deriving(CodecSpec("quant", {"bits": 4}))):
+        out = model(x)
+    x_hat = _node(out, "PowBackward0")._saved_self  # the input, decoded
+    assert not torch.equal(x_hat, model.a(x).detach())  # rounded at 4 bits
+    saves, y = replay(model.act, x_hat, ("cpu", False, torch.bfloat16))
+    torch.testing.assert_close(_node(out, "AddmmBackward0")._saved_mat1, y.reshape(-1, 64))
+    torch.testing.assert_close(_node(out, "TanhBackward0")._saved_result, saves[1])
+
+
+@pytest.mark.parametrize("act", [RandomGate(), Clamped(), ScaledTanh()], ids=type)
+def test_what_cannot_be_run_again_is_packed(act):
+    """A random draw fails the check (and leaves the draws after it as plain's), a jump
+    or a parameter is not tried; the gradients stay plain's."""
+    torch.manual_seed(0)
+    model, x = Mlp(act), _inputs()
+    torch.manual_seed(1)
+    plain, _ = _grads(model, x)
+    after_plain = torch.rand(3)
+    torch.manual_seed(1)
+    kept, stats = _grads(model, x, Deriving(None))
+    assert not _remade(stats)
+    torch.testing.assert_close(torch.rand(3), after_plain, rtol=0, atol=0)
+    for a, b in zip(kept, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("policy", [Measuring, Deriving])
+def test_one_run_per_call_at_unpack(policy):
+    """The module runs once more to check its first call (and every call of a step
+    that measures), then once per call in backward, shared by the four tensors remade
+    from it."""
+    torch.manual_seed(0)
+    model, x = Mlp(NewGelu()), _inputs()
+    engine = ActivationCompressor(policy(CodecSpec("quant", {"bits": 8})), model=model)
+    engine.install()
+    runs = []
+    try:
+        for _ in range(2):
+            NewGelu.calls = 0
+            engine.new_step()
+            with engine.scope():
+                loss = model(x).square().mean()
+            loss.backward()
+            runs.append(NewGelu.calls)
+    finally:
+        engine.remove()
+    # step 1: forward, the check, backward's; step 2: the same while measuring, else
+    # forward and backward's (the verdicts kept)
+    assert runs == ([3, 3] if policy.measuring else [3, 2])
+
+
+def test_remade_under_autocast_as_it_ran():
+    torch.manual_seed(0)
+    model, x = Mlp(NewGelu()), _inputs(2)
+
+    def grads(policy):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _grads(model, x, policy)
+
+    plain, _ = grads(None)
+    remade, stats = grads(Deriving(None))
+    assert "b:0" in _remade(stats)
+    for a, b in zip(remade, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
