@@ -126,6 +126,45 @@ def test_a_dense_layer_with_an_in_out_weight_is_remade() -> None:
     assert linear_output(z, z, [Origin.of(x)]) is None
 
 
+def _cache(shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.zeros(shape) if shape else torch.tensor([])  # () : a 1-D empty cache
+
+
+@pytest.mark.parametrize(
+    ("cache", "remade"), [((), True), ((2, 3, 0, 2), True), ((2, 3, 4, 2), False)]
+)
+def test_keys_concatenated_with_an_empty_cache_are_remade(cache, remade) -> None:
+    """A Hugging Face KV cache's first update, ``cat([cache, k], dim=-2)``: with an
+    empty cache the result is k's values, remade as the product's; with cached keys
+    it holds values no product made, and is not."""
+    lin = nn.Linear(8, 6)
+    x = torch.randn(10, 8, requires_grad=True) * 1.0
+    k = lin(x).view(2, 5, 3, 2).transpose(1, 2)
+    t = torch.cat([_cache(cache), k], dim=-2)
+    saved = t.transpose(-1, -2)  # as q·kᵀ saves it
+    plan = derive_plan(saved, [Origin.of(x)])
+    assert (plan is not None) == remade
+    if remade:
+        assert torch.equal(plan.fn(x.detach()), saved.detach())
+
+
+def test_a_concatenation_is_remade_only_where_the_size_tells_its_parts() -> None:
+    """Between a concatenation and the saved tensor's base only steps that keep the
+    size (a select copied after it could hide a cached part's rows); a part before the
+    product's rows shows in the product's shape; a view of the result is placed."""
+    lin = nn.Linear(8, 6)
+    x = torch.randn(10, 8, requires_grad=True) * 1.0
+    y = lin(x)
+    for t in (torch.cat([torch.zeros(0, 6), y]).t(), torch.cat([torch.zeros(0, 6), y])[2]):
+        plan = derive_plan(t, [Origin.of(x)])
+        assert plan is not None and torch.equal(plan.fn(x.detach()), t.detach())
+    for cached in (0, 4):
+        copied = torch.cat([torch.zeros(cached, 6), y])[2].clone()
+        assert derive_plan(copied, [Origin.of(x)]) is None
+    assert derive_plan(torch.cat([torch.zeros(3, 6), y]), [Origin.of(x)]) is None
+    assert derive_plan(torch.cat([y, y]), [Origin.of(x)]) is None  # two parts with history
+
+
 def test_a_view_at_an_offset_of_the_product_is_placed():
     lin = nn.Linear(8, 12)
     x = torch.randn(10, 8, requires_grad=True) * 1.0

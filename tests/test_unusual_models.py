@@ -272,6 +272,13 @@ def test_acgc_models_gpt2_s_dense_layers() -> None:
     for key, record in cb.stats.sites.items():
         if key.endswith("c_proj:0"):  # the attention's output, the MLP's activation
             assert record.codec != "kept", key
+    # the query, key and value, the last two through cat([empty KV cache, k]) (the cache
+    # is on by default): remade from c_attn's input (layout_chain.py)
+    for i in range(2):
+        attention = [
+            r for k, r in cb.stats.sites.items() if k.startswith(f"net.transformer.h.{i}.attn:")
+        ]
+        assert sum(r.settings.startswith("linear of") for r in attention) == 3
     # GPT-2's NewGELUActivation, op by op: the tanh, 0.5·x and 1 + tanh it saves and its
     # output (the MLP's c_proj input) remade by running it again (engine/replay.py)
     remade = [k for k, r in cb.stats.sites.items() if "NewGELUActivation run again" in r.settings]

@@ -1,7 +1,9 @@
 """Layout ops read off the autograd graph and replayed: the view, transpose, permute,
 expand, copy, split and select steps between an op's result and the tensor a later op
 saved (an attention's q after the head split: ``view``, ``transpose``, ``expand``, a
-contiguous copy, ``reshape``; a fused q-k-v projection's ``unbind`` or ``split``).
+contiguous copy, ``reshape``; a fused q-k-v projection's ``unbind`` or ``split``; a
+Hugging Face KV cache's first update, ``cat([empty cache, k])``, as k itself where the
+saved tensor's size shows the cache empty).
 
 Walking back from the saved tensor, each node gives the forward step that replays it and
 its input's shape from its output's (a size an ``unbind`` drops is unknown, -1, until a
@@ -31,10 +33,20 @@ Shape = tuple[int, ...]
 RESHAPES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
 # nodes with several outputs: which one the chain came through says what the step takes
 MULTI_OUTPUT = frozenset({"UnbindBackward0", "SplitBackward0", "SplitWithSizesBackward0"})
+# a concatenation whose other parts take no gradient: replayed as its one part, where
+# they are empty (a Hugging Face KV cache's first update: ``cat([empty, k])``)
+CAT = "CatBackward0"
+# the steps that keep the number of values: what may follow such a concatenation, so that
+# the saved tensor's size tells that its other parts were empty (see layout_chain)
+SAME_SIZE = RESHAPES | {
+    CAT, "CloneBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0",
+    "UnsqueezeBackward0", "SqueezeBackward1",
+}  # fmt: skip
 LAYOUT_NODES = (
     RESHAPES
     | MULTI_OUTPUT
     | {
+        CAT,
         "ExpandBackward0",
         "CloneBackward0",
         "TBackward0",
@@ -123,7 +135,7 @@ def _step(node: object, shape: Shape, slot: int) -> tuple[Step, Shape] | None:
         return _split_step(node, kind, shape, slot)
     if slot != 0:
         return None
-    if kind == "CloneBackward0":
+    if kind in ("CloneBackward0", CAT):
         return (lambda y: y.contiguous()), shape
     if kind == "TBackward0":
         return (lambda y: y.t()), shape[::-1]
@@ -152,15 +164,20 @@ def layout_chain(t: torch.Tensor, is_start: Callable[[object], bool]) -> Chain |
     chain is longer than MAX_STEPS."""
     node, slot, shape = t.grad_fn, t.output_nr, tuple(t.shape)
     steps: list[Step] = []
+    same_size, concatenated = True, False  # (every step so far keeps the size; a cat)
     for _ in range(MAX_STEPS):
         if node is None:
             return None
         if is_start(node):
             if slot != 0 or -1 in shape:
                 return None
-            return Chain(node, tuple(steps[::-1]), shape)
-        if type(node).__name__ not in LAYOUT_NODES:
+            chain = Chain(node, tuple(steps[::-1]), shape)
+            return chain if not concatenated or _replays_to(chain, t) else None
+        kind = type(node).__name__
+        if kind not in LAYOUT_NODES or (kind == CAT and not same_size):
             return None
+        concatenated = concatenated or kind == CAT
+        same_size = same_size and (kind in SAME_SIZE or _same_expand(node, kind, shape))
         got = _step(node, shape, slot)
         edges = [e for e in node.next_functions if e[0] is not None]  # type: ignore[attr-defined]
         if got is None or len(edges) != 1:
@@ -169,3 +186,18 @@ def layout_chain(t: torch.Tensor, is_start: Callable[[object], bool]) -> Chain |
         steps.append(step)
         node, slot = edges[0]
     return None
+
+
+def _same_expand(node: object, kind: str, shape: Shape) -> bool:
+    """An expand to the sizes it already has (matmul's of a batched operand)."""
+    return kind == "ExpandBackward0" and _sizes(node) == shape
+
+
+def _replays_to(chain: Chain, t: torch.Tensor) -> bool:
+    """Whether the chain, from its start's shape, makes ``t``'s: after a concatenation
+    replayed as its one part, with the size kept to ``t`` (``SAME_SIZE``), it does only
+    where the other parts were empty."""
+    try:
+        return tuple(chain.replay(torch.empty(chain.shape, device="meta")).shape) == t.shape
+    except RuntimeError:
+        return False
