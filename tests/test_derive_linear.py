@@ -148,21 +148,37 @@ def test_keys_concatenated_with_an_empty_cache_are_remade(cache, remade) -> None
         assert torch.equal(plan.fn(x.detach()), saved.detach())
 
 
-def test_a_concatenation_is_remade_only_where_the_size_tells_its_parts() -> None:
-    """Between a concatenation and the saved tensor's base only steps that keep the
-    size (a select copied after it could hide a cached part's rows); a part before the
-    product's rows shows in the product's shape; a view of the result is placed."""
+def test_a_concatenation_is_remade_only_where_the_sizes_tell_its_parts_empty() -> None:
+    """The sizes after a concatenation (the saved tensor's, those a select, view or
+    expand recorded) hold a cached part's rows, which the product's shape does not; an
+    expand before it could make those rows from one, and is refused."""
     lin = nn.Linear(8, 6)
     x = torch.randn(10, 8, requires_grad=True) * 1.0
     y = lin(x)
-    for t in (torch.cat([torch.zeros(0, 6), y]).t(), torch.cat([torch.zeros(0, 6), y])[2]):
+    for cached in (0, 4):
+        for t in (
+            torch.cat([torch.zeros(cached, 6), y]).t(),
+            torch.cat([torch.zeros(cached, 6), y])[2].clone(),  # a select step, then a copy
+            torch.cat([torch.zeros(cached, 6), y]).unsqueeze(0).expand(3, -1, -1).clone(),
+        ):
+            plan = derive_plan(t, [Origin.of(x)])
+            assert (plan is not None) == (cached == 0)
+            if plan is not None:
+                assert torch.equal(plan.fn(x.detach()), t.detach())
+    broadcast = torch.cat([torch.zeros(2, 6), y[:1].expand(3, 6)])
+    assert derive_plan(broadcast, [Origin.of(x)]) is None
+    assert derive_plan(torch.cat([y, y]), [Origin.of(x)]) is None  # two parts with history
+
+
+def test_a_copy_of_a_slice_at_an_offset_is_remade_from_there() -> None:
+    """A clone of a contiguous slice that starts into the product: replayed, the clone
+    of the slice is the slice itself (no copy), which starts into its storage too."""
+    lin = nn.Linear(8, 6)
+    x = torch.randn(10, 8, requires_grad=True) * 1.0
+    y = lin(x)
+    for t in (y[2:4].clone(), y.view(2, 5, 6)[1].clone(), y.view(2, 5, 6).unbind(0)[1].clone()):
         plan = derive_plan(t, [Origin.of(x)])
         assert plan is not None and torch.equal(plan.fn(x.detach()), t.detach())
-    for cached in (0, 4):
-        copied = torch.cat([torch.zeros(cached, 6), y])[2].clone()
-        assert derive_plan(copied, [Origin.of(x)]) is None
-    assert derive_plan(torch.cat([torch.zeros(3, 6), y]), [Origin.of(x)]) is None
-    assert derive_plan(torch.cat([y, y]), [Origin.of(x)]) is None  # two parts with history
 
 
 def test_a_view_at_an_offset_of_the_product_is_placed():

@@ -83,10 +83,24 @@ class Derivation(NamedTuple):
 
 
 def placed(saved: torch.Tensor, base: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The view ``saved`` of the contiguous ``base``, taken of a tensor laid out as it."""
+    """The view ``saved`` of the contiguous ``base``, taken of a tensor laid out as it
+    (which may itself start into its storage: a replayed copy of a contiguous slice,
+    ``y[2:4].clone()``, replays as the slice).
+
+    Example:
+        >>> y = torch.arange(12.0).view(3, 4)
+        >>> base = y[1:].clone()
+        >>> placed(base[:, 1], base)(y[1:])
+        tensor([5., 9.])
+    """
     size, stride = tuple(saved.shape), saved.stride()
     offset = saved.storage_offset() - base.storage_offset()
-    return lambda out: out.contiguous().as_strided(size, stride, offset)
+
+    def place(out: torch.Tensor) -> torch.Tensor:
+        out = out.contiguous()
+        return out.as_strided(size, stride, out.storage_offset() + offset)
+
+    return place
 
 
 def find(recent: list[Origin], edge: tuple[object, int], base: torch.Tensor) -> int | None:

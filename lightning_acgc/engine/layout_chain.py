@@ -34,14 +34,9 @@ RESHAPES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackw
 # nodes with several outputs: which one the chain came through says what the step takes
 MULTI_OUTPUT = frozenset({"UnbindBackward0", "SplitBackward0", "SplitWithSizesBackward0"})
 # a concatenation whose other parts take no gradient: replayed as its one part, where
-# they are empty (a Hugging Face KV cache's first update: ``cat([empty, k])``)
+# they are empty (a Hugging Face KV cache's first update: ``cat([empty, k])``; see
+# _consistent for how the walk tells)
 CAT = "CatBackward0"
-# the steps that keep the number of values: what may follow such a concatenation, so that
-# the saved tensor's size tells that its other parts were empty (see layout_chain)
-SAME_SIZE = RESHAPES | {
-    CAT, "CloneBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0",
-    "UnsqueezeBackward0", "SqueezeBackward1",
-}  # fmt: skip
 LAYOUT_NODES = (
     RESHAPES
     | MULTI_OUTPUT
@@ -164,7 +159,8 @@ def layout_chain(t: torch.Tensor, is_start: Callable[[object], bool]) -> Chain |
     chain is longer than MAX_STEPS."""
     node, slot, shape = t.grad_fn, t.output_nr, tuple(t.shape)
     steps: list[Step] = []
-    same_size, concatenated = True, False  # (every step so far keeps the size; a cat)
+    outputs: list[Shape] = []  # each step's output shape, as the walk reads it
+    concatenated = False
     for _ in range(MAX_STEPS):
         if node is None:
             return None
@@ -172,12 +168,12 @@ def layout_chain(t: torch.Tensor, is_start: Callable[[object], bool]) -> Chain |
             if slot != 0 or -1 in shape:
                 return None
             chain = Chain(node, tuple(steps[::-1]), shape)
-            return chain if not concatenated or _replays_to(chain, t) else None
+            return chain if not concatenated or _consistent(chain, outputs[::-1]) else None
         kind = type(node).__name__
-        if kind not in LAYOUT_NODES or (kind == CAT and not same_size):
+        if kind not in LAYOUT_NODES or (concatenated and _broadcasts(node, kind, shape)):
             return None
         concatenated = concatenated or kind == CAT
-        same_size = same_size and (kind in SAME_SIZE or _same_expand(node, kind, shape))
+        outputs.append(shape)
         got = _step(node, shape, slot)
         edges = [e for e in node.next_functions if e[0] is not None]  # type: ignore[attr-defined]
         if got is None or len(edges) != 1:
@@ -188,16 +184,25 @@ def layout_chain(t: torch.Tensor, is_start: Callable[[object], bool]) -> Chain |
     return None
 
 
-def _same_expand(node: object, kind: str, shape: Shape) -> bool:
-    """An expand to the sizes it already has (matmul's of a batched operand)."""
-    return kind == "ExpandBackward0" and _sizes(node) == shape
+def _broadcasts(node: object, kind: str, shape: Shape) -> bool:
+    """An expand to sizes it has not got (before a concatenation, it could make rows the
+    size of the cached ones from one)."""
+    return kind == "ExpandBackward0" and _sizes(node) != shape
 
 
-def _replays_to(chain: Chain, t: torch.Tensor) -> bool:
-    """Whether the chain, from its start's shape, makes ``t``'s: after a concatenation
-    replayed as its one part, with the size kept to ``t`` (``SAME_SIZE``), it does only
-    where the other parts were empty."""
+def _consistent(chain: Chain, outputs: list[Shape]) -> bool:
+    """Whether the chain, replayed from its start's shape on a meta tensor, gives at each
+    step the output shape the walk read there (the saved tensor's last). A concatenation
+    is read as its one part: had it other parts with values, the sizes after it (the
+    saved tensor's, the input sizes a view, select or expand recorded) are theirs too and
+    the replay's differ, or the start's shape carries them and differs from the
+    product's, which the caller reads off the product's input (``linear_output``)."""
+    y = torch.empty(chain.shape, device="meta")
     try:
-        return tuple(chain.replay(torch.empty(chain.shape, device="meta")).shape) == t.shape
+        for step, shape in zip(chain.steps, outputs, strict=True):
+            y = step(y)
+            if tuple(y.shape) != shape:
+                return False
     except RuntimeError:
         return False
+    return True
