@@ -23,7 +23,7 @@ class NewGelu(nn.Module):
     calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        NewGelu.calls += x.dim() > 1  # (not the gains' runs on a flat sample)
+        NewGelu.calls += 1
         inner = math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))
         return 0.5 * x * (1.0 + torch.tanh(inner))
 
@@ -42,15 +42,29 @@ class Clamped(nn.Module):
         return x * torch.sigmoid(x).clamp(0.2, 0.8)
 
 
-class ScaledTanh(nn.Module):
-    """A parameter: not a module the engine runs again."""
+class BufferedTanh(nn.Module):
+    """A buffer (which a forward may update, as BatchNorm's running statistics): not a
+    module the engine runs again."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.register_buffer("scale", torch.tensor(1.5))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.tanh(self.scale * x)
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm written out: its 1/rms per row kept as a norm statistic, its
+    normalized input and its output (weight · it) remade from its input."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 2.0, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * (x * rstd)
 
 
 class Measuring(Deriving):
@@ -100,10 +114,10 @@ def test_remade_from_the_decoded_input():
     torch.testing.assert_close(_node(out, "TanhBackward0")._saved_result, saves[1])
 
 
-@pytest.mark.parametrize("act", [RandomGate(), Clamped(), ScaledTanh()], ids=type)
+@pytest.mark.parametrize("act", [RandomGate(), Clamped(), BufferedTanh()], ids=type)
 def test_what_cannot_be_run_again_is_packed(act):
     """A random draw fails the check (and leaves the draws after it as plain's), a jump
-    or a parameter is not tried; the gradients stay plain's."""
+    or a buffer is not tried; the gradients stay plain's."""
     torch.manual_seed(0)
     model, x = Mlp(act), _inputs()
     torch.manual_seed(1)
@@ -119,9 +133,9 @@ def test_what_cannot_be_run_again_is_packed(act):
 
 @pytest.mark.parametrize("policy", [Measuring, Deriving])
 def test_one_run_per_call_at_unpack(policy):
-    """The module runs once more to check its first call (and every call of a step
-    that measures), then once per call in backward, shared by the four tensors remade
-    from it."""
+    """The module runs once more to check its first call (and, on a step that
+    measures, every call, and twice for the gains of all its tensors), then once per
+    call in backward, shared by the four tensors remade from it."""
     torch.manual_seed(0)
     model, x = Mlp(NewGelu()), _inputs()
     engine = ActivationCompressor(policy(CodecSpec("quant", {"bits": 8})), model=model)
@@ -137,9 +151,9 @@ def test_one_run_per_call_at_unpack(policy):
             runs.append(NewGelu.calls)
     finally:
         engine.remove()
-    # step 1: forward, the check, backward's; step 2: the same while measuring, else
-    # forward and backward's (the verdicts kept)
-    assert runs == ([3, 3] if policy.measuring else [3, 2])
+    # step 1: forward, the check, backward's; step 2: forward and backward's (the
+    # verdicts kept); measuring: forward, the check, two for the gains, backward's
+    assert runs == ([5, 5] if policy.measuring else [3, 2])
 
 
 def test_remade_under_autocast_as_it_ran():
@@ -155,3 +169,39 @@ def test_remade_under_autocast_as_it_ran():
     assert "b:0" in _remade(stats)
     for a, b in zip(remade, plain, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_norm_written_out_is_remade_with_its_parameter_and_statistics_kept():
+    """Llama's RMSNorm: the normalized input (saved for the weight's gradient) and the
+    output (saved by the next Linear) remade from the input; the 1/rms per row is not
+    (smaller than the input: kept as a norm statistic); plain's gradients bit for bit;
+    the gains ‖f(x + δ) − f(x)‖²/‖δ‖², about mean(1/rms²)·(1 − 1/16) (a change along a
+    row's own direction is normalized away), times mean(weight²) for the output."""
+    torch.manual_seed(0)
+    model, x = Mlp(nn.Identity()), _inputs(3)
+    model.norm = RMSNorm()
+    plain, _ = _grads(model, x)
+    remade, stats = _grads(model, x, Deriving(None))
+    for a, b in zip(remade, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    settings = _remade(stats)
+    assert settings == {"norm:4": "RMSNorm run again (save 4) of norm:0",
+                        "a:0": "RMSNorm run again (output) of norm:0"}  # fmt: skip
+    h = x.detach() * 1.0
+    rstd2 = 1 / (h.square().mean(-1) + 1e-6)
+    w2 = model.norm.weight.detach().square().mean()
+    expected = float(rstd2.mean()) * (1 - 1 / 16)
+    assert stats.sites["norm:4"].gain == pytest.approx(expected, rel=0.1)
+    assert stats.sites["a:0"].gain == pytest.approx(expected * float(w2), rel=0.1)
+
+
+def test_a_parameter_changed_in_place_before_backward_is_an_error():
+    torch.manual_seed(0)
+    model, x = Mlp(nn.Identity()), _inputs()
+    model.norm = RMSNorm()
+    with compress_activations(model=model, policy=Deriving(CodecSpec("quant", {"bits": 8}))):
+        loss = model(x).square().mean()
+    with torch.no_grad():
+        model.norm.weight.mul_(2)
+    with pytest.raises(RuntimeError, match="a parameter of RMSNorm was modified in place"):
+        loss.backward()

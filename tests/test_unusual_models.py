@@ -301,3 +301,9 @@ def test_acgc_reads_another_library_s_rms_norm_as_a_norm() -> None:
     assert statistics and all(r.settings == "norm statistic" for r in statistics)
     assert float(trainer.callback_metrics["acgc/layer_grad_error"]) <= 0.05
     assert 0.1 < cb.policy.kappa < 4
+    # the norm written out: its normalized input and its output (the q, k, v projections'
+    # and the MLP's input) remade by running it again (engine/replay.py)
+    remade = {k for k, r in cb.stats.sites.items() if "LlamaRMSNorm run again" in r.settings}
+    for i in range(2):
+        layer = f"net.model.layers.{i}"
+        assert {f"{layer}.self_attn.q_proj:0", f"{layer}.mlp.gate_proj:0"} <= remade

@@ -1,23 +1,28 @@
-"""Tensors saved inside a parameter-free elementwise module, remade by running it again.
+"""Tensors saved inside a module written op by op, remade by running it again.
 
 Hugging Face's ``NewGELUActivation`` (GPT-2's, GPT-J's and CodeGen's MLP) computes
 ``0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`` op by op: autograd saves x (for the
 power), the tanh, 0.5·x and 1 + tanh, each of x's size, and the next layer saves the
-result. No single-op derivation (:mod:`~lightning_acgc.engine.derive`) remakes them: an
-add of a Python number does not keep the number in the graph. The module does: while
-it runs, :class:`ModuleReplays` notes its input; a tensor it saves (or its output,
-saved by a later op) whose history leads back to that input through smooth elementwise
-ops only (:data:`SMOOTH_NODES`) is remade at unpack by running the module's ``forward``
-again on the decoded input, with grad on and its saves captured, once for all the
-tensors of one call (:class:`Rerun`). On a two-layer GPT-2 the four held half of
-acgc's packed bytes.
+result. Llama's ``LlamaRMSNorm`` (and Mistral's, Qwen's, T5's) saves its input, its
+1/rms per row, the normalized input (for its weight's gradient), and the next Linear
+saves its output. No single-op derivation (:mod:`~lightning_acgc.engine.derive`)
+remakes them: an add of a Python number does not keep the number in the graph. The
+module does: while it runs, :class:`ModuleReplays` notes its input; a tensor of the
+input's size that it saves (or its output, saved by a later op) whose history leads
+back to that input through smooth elementwise ops, means and sums only
+(:data:`SMOOTH_NODES`, :data:`REDUCTION_NODES`; the module's own parameters aside) is
+remade at unpack by running the module's ``forward`` again on the decoded input, with
+grad on and its saves captured, once for all the tensors of one call (:class:`Rerun`).
+A statistic smaller than the input (the 1/rms) is left to the engine (kept exactly).
 
-A module qualifies when it holds no parameters, buffers or submodules. Each site is
-checked before it is first remade, and again on every step that measures: the module
-run again on the exact input must give that tensor bit for bit (a random op in the
-module, an argument the hook does not see, fails it), or the site is left to its codec
-for good. A module whose ops jump (a ReLU, a clamp) is not remade: the decoded input
-would flip its masks (see :mod:`~lightning_acgc.policies.checkpoint_regions`).
+A module qualifies when it holds no buffers or submodules (parameters, read again at
+unpack, must not change in place before it). Each site is checked before it is first
+remade, and again on every step that measures: the module run again on the exact input
+must give that tensor bit for bit (a random op in the module, an argument the hook does
+not see, fails it), or the site is left to its codec for good. A module whose ops jump
+(a ReLU, a clamp) is not remade: the decoded input would flip its masks (see
+:mod:`~lightning_acgc.policies.checkpoint_regions`). The error model charges a remade
+tensor to the input with a gain measured on steps that measure (:meth:`Rerun.gain`).
 
 Example:
     >>> class Swish(torch.nn.Module):
@@ -40,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lightning_acgc.engine.derive_graph import Derivation, Origin, placed
+from lightning_acgc.engine.derive_graph import Derivation, Origin, check_unchanged, placed
 
 __all__ = ["SMOOTH_NODES", "ModuleReplays", "Rerun", "autocast_state", "replay"]
 
@@ -57,6 +62,8 @@ SMOOTH_NODES = frozenset(
         "MishBackward0", "ToCopyBackward0",
     }
 )  # fmt: skip
+# a row's or a tensor's mean or sum: a norm written out (Llama's RMSNorm: the mean of x²)
+REDUCTION_NODES = frozenset({"MeanBackward0", "MeanBackward1", "SumBackward0", "SumBackward1"})
 OUTPUT = -1  # the index of a call's output among what a replay gives
 _WALK_LIMIT = 64  # nodes a history may hold between the input and a remade tensor
 
@@ -70,11 +77,15 @@ def autocast_state(x: torch.Tensor) -> tuple[str, bool, torch.dtype]:
 def replay(
     module: nn.Module, x: torch.Tensor, autocast: tuple[str, bool, torch.dtype]
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """What ``module.forward(x)`` saves for backward (detached, in order) and its output,
-    run with grad on under ``autocast`` (its module hooks do not run)."""
+    """What ``module.forward(x)`` saves for backward (detached, in order; not its
+    parameters, which the engine never packs) and its output, run with grad on under
+    ``autocast`` (its module hooks do not run)."""
     saves: list[torch.Tensor] = []
+    params = {id(p) for p in module.parameters(False)}
 
     def capture(t: torch.Tensor) -> int:
+        if id(t) in params or (t._base is not None and id(t._base) in params):
+            return 0
         saves.append(t.detach())
         return len(saves)
 
@@ -94,16 +105,15 @@ def replay(
 
 
 def _qualifies(module: nn.Module) -> bool:
-    """No parameters, buffers or submodules, and a ``forward`` of its own."""
+    """No buffers or submodules, and a ``forward`` of its own (parameters allowed)."""
     own_forward = type(module).forward is not nn.Module.forward
-    return own_forward and not any(
-        True for _ in (*module.parameters(False), *module.buffers(False), *module.children())
-    )
+    return own_forward and not any(True for _ in (*module.buffers(False), *module.children()))
 
 
-def smooth_history(t: torch.Tensor, source: Origin) -> bool:
+def smooth_history(t: torch.Tensor, source: Origin, params: tuple[torch.Tensor, ...] = ()) -> bool:
     """Whether ``t``'s history reaches ``source`` and holds nothing but smooth
-    elementwise ops (:data:`SMOOTH_NODES`) on the way (constants aside)."""
+    elementwise ops (:data:`SMOOTH_NODES`) and means or sums (:data:`REDUCTION_NODES`)
+    on the way, besides constants and ``params`` (the module's own parameters)."""
     start = t.grad_fn
     if start is None or source.made((start, t.output_nr)):
         return False
@@ -113,16 +123,22 @@ def smooth_history(t: torch.Tensor, source: Origin) -> bool:
         if id(node) in seen:
             continue
         seen.add(id(node))
-        if len(seen) > _WALK_LIMIT or type(node).__name__ not in SMOOTH_NODES:
+        kind = type(node).__name__
+        if len(seen) > _WALK_LIMIT or (kind not in SMOOTH_NODES and kind not in REDUCTION_NODES):
             return False
         for edge in node.next_functions:
-            if edge[0] is None:
+            if edge[0] is None or _own_param(edge[0], params):
                 continue
             if source.made(edge):
                 reached = True
             else:
                 stack.append(edge[0])
     return reached
+
+
+def _own_param(node: object, params: tuple[torch.Tensor, ...]) -> bool:
+    variable = getattr(node, "variable", None)  # (an AccumulateGrad's)
+    return variable is not None and any(variable is p for p in params)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -141,11 +157,16 @@ class Rerun:
 
     def __init__(self, module: nn.Module, autocast: tuple[str, bool, torch.dtype]) -> None:
         self.module, self.autocast, self.users = module, autocast, 0
+        self.params = tuple(module.parameters(False))
+        # (read at unpack: a parameter changed in place since forward is an error)
+        self.unchanged = check_unchanged(f"a parameter of {type(module).__name__}", *self.params)
         self._of: torch.Tensor | None = None
         self._made: tuple[list[torch.Tensor], torch.Tensor] | None = None
+        self._gains: tuple[torch.Tensor, dict[int, float]] | None = None
 
     def take(self, x_hat: torch.Tensor, index: int) -> torch.Tensor:
         if self._made is None or self._of is not x_hat:
+            self.unchanged()
             self._made, self._of = replay(self.module, x_hat, self.autocast), x_hat
         saves, out = self._made
         self.users -= 1
@@ -153,10 +174,38 @@ class Rerun:
             self._made = self._of = None
         return out if index == OUTPUT else saves[index]
 
-    def values(self, x: torch.Tensor, index: int) -> torch.Tensor:
-        """The tensor at ``index`` made from ``x``, not shared (a gain's samples)."""
-        saves, out = replay(self.module, x, self.autocast)
-        return out if index == OUTPUT else saves[index]
+    def gain(self, x: torch.Tensor, index: int) -> float:
+        """The mean factor from ``x``'s rounding variance to the variance it puts in the
+        tensor at ``index``: ‖f(x + δ) − f(x)‖² / ‖δ‖² for a small δ of independent
+        values (f'(x)² for an elementwise f; γ²/σ² for a norm), once for all of a
+        call's tensors on ``x``. 1.0 where none is finite."""
+        if self._gains is None or self._gains[0] is not x:
+            self._gains = (x, self._all_gains(x))
+        return self._gains[1].get(index, 1.0)
+
+    def _all_gains(self, x: torch.Tensor) -> dict[int, float]:
+        values = x.detach()
+        finite = values[torch.isfinite(values)]
+        rms = float(finite.double().square().mean().sqrt()) if finite.numel() else 1.0
+        step = max(1e-3, 4 * torch.finfo(values.dtype).eps) * max(rms, 1e-12)
+        g = torch.Generator(device=values.device).manual_seed(0)  # (not the global RNG)
+        noise = torch.randn(values.shape, generator=g, device=values.device) * step
+        moved = (values + noise.to(values.dtype)).to(values.dtype)
+        delta = (moved.double() - values.double()).reshape(-1)
+        (saves, out), (saves_moved, out_moved) = (
+            replay(self.module, values, self.autocast),
+            replay(self.module, moved, self.autocast),
+        )
+        gains = {}
+        pairs = [*enumerate(zip(saves, saves_moved, strict=False)), (OUTPUT, (out, out_moved))]
+        for index, (a, b) in pairs:
+            if a.numel() != delta.numel() or a.shape != b.shape:
+                continue
+            change = (b.double() - a.double()).reshape(-1)
+            keep = torch.isfinite(change) & torch.isfinite(delta) & (delta != 0)
+            if keep.any():
+                gains[index] = float(change[keep].square().mean() / delta[keep].square().mean())
+        return gains
 
 
 @dataclass(eq=False)
@@ -169,6 +218,7 @@ class _Call:
     first: int  # the module's ordinal of its first save in this call
     rerun: Rerun
     x: torch.Tensor | None = None  # the input itself, while the call runs
+    source_numel: int = 0
     checked: tuple[list[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)
 
     def exact(self) -> tuple[list[torch.Tensor], torch.Tensor] | None:
@@ -213,13 +263,14 @@ class ModuleReplays:
         if not isinstance(x, torch.Tensor) or not x.requires_grad or not x.is_floating_point():
             return
         rerun = Rerun(module, autocast_state(x))
-        self._running.append(_Call(module, name, Origin.of(x), ordinal, rerun, x))
+        self._running.append(_Call(module, name, Origin.of(x), ordinal, rerun, x, x.numel()))
 
     def exit(self, module: nn.Module, output: object) -> None:
         if not self._running or self._running[-1].module is not module:
             return
         call = self._running.pop()
-        if isinstance(output, torch.Tensor) and smooth_history(output, call.source):
+        params = call.rerun.params
+        if isinstance(output, torch.Tensor) and smooth_history(output, call.source, params):
             self._outputs.append((output.grad_fn, output.output_nr, call))
             self._check(call, OUTPUT, output)
         call.x = call.checked = None
@@ -238,7 +289,9 @@ class ModuleReplays:
         ``recent`` (oldest first); None where it is no call's."""
         base = t if t._base is None else t._base
         call, index = self._call_of(module, ordinal, base)
-        if call is None or not base.is_contiguous() or not smooth_history(base, call.source):
+        if call is None or not base.is_contiguous() or base.numel() != call.source_numel:
+            return None  # (a norm's statistics, smaller than its input: kept as before)
+        if not smooth_history(base, call.source, call.rerun.params):
             return None
         i = next((j for j in range(len(recent) - 1, -1, -1) if _is(recent[j], call.source)), None)
         if i is None or not self._check(call, index, base):
@@ -251,14 +304,7 @@ class ModuleReplays:
                 return place(rerun.take(x_hat, index))
 
         def gain(x: torch.Tensor | None) -> float:
-            from lightning_acgc.engine.derive import derivative_gain
-
-            if x is None:
-                return 1.0
-            try:
-                return derivative_gain(lambda xs: rerun.values(xs, index), x)
-            except Exception:  # a module that does not run on a flat float64 sample
-                return 1.0
+            return 1.0 if x is None else rerun.gain(x, index)
 
         name = "output" if index == OUTPUT else f"save {index}"
         return Derivation(fn, (i,), f"{type(call.module).__name__} run again ({name})", gain)
