@@ -13,6 +13,7 @@ import torch
 
 from lightning_acgc.engine import derive, exact, extremum, sites
 from lightning_acgc.engine.derive_graph import check_unchanged, placed
+from lightning_acgc.engine.derive_view import view_plan
 from lightning_acgc.engine.meter import SiteRecord
 from lightning_acgc.engine.product_choice import ProductChoice
 from lightning_acgc.engine.saved import Saved
@@ -139,7 +140,7 @@ class Recomputing:
         by which the input's rounding variance reaches it."""
         replays = self.tracker.replays
         derivable = derive.derived_output(t)
-        if not derivable and not replays.candidate(site.module, t):
+        if not derivable and t._base is None and not replays.candidate(site.module, t):
             return None
         if site.outside_every_module and not self.compress_loss:
             return None  # the loss's tensors: as float16 (EngineSettings.compress_loss)
@@ -150,6 +151,13 @@ class Recomputing:
             plan = derive.derive_plan(t, origins, self._locator(recent), self.remake_products)
         if plan is None:  # a tensor of an elementwise module's call (replay.py)
             plan = replays.plan(site.module, site.ordinal, t, origins)
+        if plan is None and t._base is not None:  # another view of one saved (derive_view)
+
+            def current(i: int, u: torch.Tensor) -> bool:  # u packed at this version
+                refs = self._dedup.get((key[0], u.storage_offset(), *_layout(u), key[5]))
+                return refs is not None and refs[1]() is recent[i].source()
+
+            plan = view_plan(t, [entry.tensor() for entry in recent], current)
         if plan is None:
             return None
         entries = [recent[i] for i in plan.sources]
@@ -238,6 +246,10 @@ class Recomputing:
 
 # on measuring steps the last saves are held as they are (for their gains), no more
 STRONG_WINDOW = 8
+
+
+def _layout(u: torch.Tensor) -> tuple:
+    return tuple(u.shape), u.stride(), u.dtype
 
 
 def _remade(source: Saved | torch.Tensor) -> bool:

@@ -1,0 +1,59 @@
+"""A saved view of a tensor saved just before it, in another shape: remade as that view
+of what the first one's holder unpacks.
+
+An eager attention's probabilities ``p`` are saved by their softmax (4-D) and, where no
+dropout makes a new tensor of them (dropout 0, as Llama's, Mistral's and most language
+models' pretraining), by the ``p·v`` product as the 3-D view its batched matmul takes:
+one storage, two shapes, packed twice (the exact-view dedup keys on the shape). With
+``acgc`` the second is stored as nothing and made at unpack as the same view of the
+first's decoded values: the two backward reads then see one rounding, charged once.
+
+Example:
+    >>> p = torch.softmax(torch.randn(2, 3, 4, 4, requires_grad=True), -1)
+    >>> t = p.reshape(6, 4, 4)
+    >>> plan = view_plan(t, [None, p])
+    >>> plan.sources, plan.name, torch.equal(plan.fn(p.detach()), t.detach())
+    ((1,), 'view', True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from lightning_acgc.engine.derive_graph import Derivation, placed
+
+__all__ = ["view_plan"]
+
+
+def view_plan(
+    saved: torch.Tensor,
+    held: list[torch.Tensor | None],
+    current: Callable[[int, torch.Tensor], bool] = lambda i, u: True,
+) -> Derivation | None:
+    """How to remake ``saved``, a view, as a view of one of ``held`` (the tensors saved
+    just before it, oldest first; None where freed): one of the same storage,
+    contiguous, of the same dtype, whose elements hold all of ``saved``'s, and whose
+    holder holds its values now (``current(i, u)``: saved at the storage's present
+    version; views share one version counter, so only the engine, which keyed each save
+    by its version, can tell an in-place change since); None where there is none."""
+    base = saved._base
+    if base is None or not saved.numel() or any(s < 0 for s in saved.stride()):
+        return None
+    reach = sum((n - 1) * s for n, s in zip(saved.shape, saved.stride(), strict=True))
+    for i in range(len(held) - 1, -1, -1):
+        u = held[i]
+        if u is None or u is saved or (u is not base and u._base is not base):
+            continue
+        if u.dtype != saved.dtype or not u.is_contiguous() or not current(i, u):
+            continue
+        start = saved.storage_offset() - u.storage_offset()
+        if start < 0 or start + reach >= u.numel():
+            continue
+        return Derivation(placed(saved, u), (i,), "view", _one)
+    return None
+
+
+def _one(*_: object) -> float:
+    return 1.0  # the same values: the source's rounding, unchanged
