@@ -307,3 +307,9 @@ def test_acgc_reads_another_library_s_rms_norm_as_a_norm() -> None:
     for i in range(2):
         layer = f"net.model.layers.{i}"
         assert {f"{layer}.self_attn.q_proj:0", f"{layer}.mlp.gate_proj:0"} <= remade
+        # SwiGLU's product silu(gate)·up, saved by down_proj: made of its factors
+        down = cb.stats.sites[f"{layer}.mlp.down_proj:0"]
+        assert down.codec == "recomputed" and down.settings.startswith("product of")
+        # the probabilities saved by softmax and, as a view, by p·v: packed once
+        views = [r for k, r in cb.stats.sites.items() if k.startswith(f"{layer}.self_attn:")]
+        assert any(r.settings.startswith("view of") for r in views)

@@ -57,6 +57,7 @@ from lightning_acgc.engine.derive_dropout import (
     scaled,
     scaled_node,
 )
+from lightning_acgc.engine.derive_gated import gated, gated_output
 from lightning_acgc.engine.derive_graph import Derivation, Origin, affine_param, find, placed
 from lightning_acgc.engine.derive_linear import (
     LAYOUT_NODES,
@@ -243,7 +244,7 @@ def derived_output(saved: torch.Tensor) -> bool:
         return len(edges) == 1 and type(edges[0][0]).__name__ in (BATCH_NORM_NODE, ADD_NODE)
     if kind in LINEAR_NODES or kind in LAYOUT_NODES:
         return made_by_linear(base)
-    return kind in DERIVABLE_NODES or kind == CONV_NODE or scaled(base)
+    return kind in DERIVABLE_NODES or kind == CONV_NODE or scaled(base) or gated(base)
 
 
 def derive_plan(
@@ -277,6 +278,8 @@ def derive_plan(
         return relu_output(saved, base, recent)
     if kind == CONV_NODE:
         return conv_output(saved, base, recent) if products else None
+    if gated(base):  # a·b, both saved (derive_gated)
+        return gated_output(saved, base, recent)
     if scaled(base):
         if locate is None:
             return None

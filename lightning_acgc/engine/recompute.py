@@ -146,11 +146,11 @@ class Recomputing:
             return None  # the loss's tensors: as float16 (EngineSettings.compress_loss)
         recent = [entry for entry in self._recent if entry.origin is not None]
         origins = [entry.origin for entry in recent]
-        plan = None
-        if derivable:
+        # a tensor of a module's call written op by op, remade by running it again
+        # (replay.py: first, its gain measured through the whole call), else by its op
+        plan = replays.plan(site.module, site.ordinal, t, origins)
+        if plan is None and derivable:
             plan = derive.derive_plan(t, origins, self._locator(recent), self.remake_products)
-        if plan is None:  # a tensor of an elementwise module's call (replay.py)
-            plan = replays.plan(site.module, site.ordinal, t, origins)
         if plan is None and t._base is not None:  # another view of one saved (derive_view)
 
             def current(i: int, u: torch.Tensor) -> bool:  # u packed at this version

@@ -136,6 +136,12 @@ def smooth_history(t: torch.Tensor, source: Origin, params: tuple[torch.Tensor, 
     return reached
 
 
+def _one_op(t: torch.Tensor, source: Origin) -> bool:
+    """Whether ``t`` is made by one op straight from ``source`` (an ``nn.GELU``'s)."""
+    node = t.grad_fn
+    return node is not None and any(source.made(edge) for edge in node.next_functions)
+
+
 def _own_param(node: object, params: tuple[torch.Tensor, ...]) -> bool:
     variable = getattr(node, "variable", None)  # (an AccumulateGrad's)
     return variable is not None and any(variable is p for p in params)
@@ -270,7 +276,9 @@ class ModuleReplays:
             return
         call = self._running.pop()
         params = call.rerun.params
-        if isinstance(output, torch.Tensor) and smooth_history(output, call.source, params):
+        if not isinstance(output, torch.Tensor) or _one_op(output, call.source):
+            pass  # (one op on the input: engine/derive.py remakes its output, if any)
+        elif smooth_history(output, call.source, params):
             self._outputs.append((output.grad_fn, output.output_nr, call))
             self._check(call, OUTPUT, output)
         call.x = call.checked = None
