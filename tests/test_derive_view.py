@@ -15,15 +15,20 @@ from tests.test_derive import Deriving, _grads
 
 
 class Attention(nn.Module):
-    """Single-head-dim attention without dropout on its probabilities (4-D matmuls)."""
+    """Two-head attention without dropout on its probabilities (4-D matmuls);
+    ``upcast``: its softmax in float32, cast back to the queries' dtype (Llama's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, upcast: bool = False) -> None:
         super().__init__()
-        self.qkv = nn.Linear(16, 48)
+        self.qkv, self.upcast = nn.Linear(16, 48), upcast
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(x).view(4, 32, 3, 2, 8).permute(2, 0, 3, 1, 4)
-        p = torch.softmax(q @ k.transpose(-1, -2) / 8**0.5, dim=-1)
+        scores = q @ k.transpose(-1, -2) / 8**0.5
+        if self.upcast:
+            p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        else:
+            p = torch.softmax(scores, dim=-1)
         return (p @ v).transpose(1, 2).reshape(4, 32, 16)
 
 
@@ -94,3 +99,22 @@ def test_not_a_view_of_values_changed_in_place_since_they_were_saved():
             _ = v * x.view(3, 8)  # saves the view v
         remade = [r for r in stats.sites.values() if r.settings.startswith("view of")]
         assert len(remade) == (0 if change else 1)
+
+
+def test_autocast_s_copy_of_the_probabilities_is_cast_again():
+    """Under bf16 autocast the softmax saves its float32 output and ``p·v`` a bf16 copy
+    of it: remade as that cast of what the softmax's holder unpacks."""
+    torch.manual_seed(0)
+    model, x = Attention(upcast=True), _inputs()
+
+    def grads(policy):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _grads(model, x, policy)
+
+    plain, _ = grads(None)
+    kept, stats = grads(Deriving(None))
+    for a, b in zip(kept, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    casts = [r for r in stats.sites.values() if r.settings.startswith("bfloat16 cast of")]
+    assert len(casts) == 1 and casts[0].packed_bytes == 0
+    assert stats.sites[casts[0].derived_from].dtype == "float32"

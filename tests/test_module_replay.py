@@ -205,3 +205,22 @@ def test_a_parameter_changed_in_place_before_backward_is_an_error():
         model.norm.weight.mul_(2)
     with pytest.raises(RuntimeError, match="a parameter of RMSNorm was modified in place"):
         loss.backward()
+
+
+def test_autocast_s_copy_of_the_output_is_the_output_run_again_and_cast():
+    """Under bf16 autocast the Linear after a float32 norm saves its own bf16 copy of the
+    norm's output: remade as the output run again, cast as autocast cast it."""
+    torch.manual_seed(0)
+    model, x = Mlp(nn.Identity()), _inputs(4)
+    model.norm = RMSNorm()
+
+    def grads(policy):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _grads(model, x, policy)
+
+    plain, _ = grads(None)
+    remade, stats = grads(Deriving(None))
+    for a, b in zip(remade, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert stats.sites["a:0"].dtype == "bfloat16"  # (a:1: the weight's bf16 copy)
+    assert _remade(stats)["a:0"] == "RMSNorm run again (output, bfloat16) of norm:0"

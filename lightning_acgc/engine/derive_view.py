@@ -7,6 +7,8 @@ models' pretraining), by the ``p·v`` product as the 3-D view its batched matmul
 one storage, two shapes, packed twice (the exact-view dedup keys on the shape). With
 ``acgc`` the second is stored as nothing and made at unpack as the same view of the
 first's decoded values: the two backward reads then see one rounding, charged once.
+Likewise a dtype cast of a tensor saved just before it (:func:`cast_plan`: Llama casts
+its float32 softmax back to bf16 for ``p·v`` under autocast) is cast again at unpack.
 
 Example:
     >>> p = torch.softmax(torch.randn(2, 3, 4, 4, requires_grad=True), -1)
@@ -22,9 +24,11 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_acgc.engine.derive_graph import Derivation, placed
+from lightning_acgc.engine.derive_graph import Derivation, Origin, placed
 
-__all__ = ["view_plan"]
+__all__ = ["cast_plan", "is_cast", "view_plan"]
+
+CAST_NODE = "ToCopyBackward0"
 
 
 def view_plan(
@@ -53,6 +57,38 @@ def view_plan(
             continue
         return Derivation(placed(saved, u), (i,), "view", _one)
     return None
+
+
+def cast_plan(saved: torch.Tensor, recent: list[Origin]) -> Derivation | None:
+    """How to remake ``saved`` (a view of ``base``), a dtype cast of a tensor saved just
+    before it (autocast's bf16 copy of the float32 probabilities a softmax saved, for
+    the product after it), as that cast of what the first one's holder unpacks; None
+    where its input is not among ``recent`` (oldest first)."""
+    base = saved if saved._base is None else saved._base
+    node = base.grad_fn
+    if type(node).__name__ != CAST_NODE or not base.is_contiguous():
+        return None
+    (edge,) = node.next_functions  # type: ignore[union-attr]
+    found = [
+        i
+        for i in range(len(recent) - 1, -1, -1)
+        if recent[i].made(edge) and recent[i].shape == base.shape and recent[i].leaf is None
+    ]  # (a parameter's copy: cast again from the parameter itself, engine/param_casts.py)
+    if not found:
+        return None
+    place, dtype = placed(saved, base), base.dtype
+
+    def fn(source: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return place(source.contiguous().to(dtype))
+
+    return Derivation(fn, (found[0],), f"{str(dtype).removeprefix('torch.')} cast", _one)
+
+
+def is_cast(t: torch.Tensor) -> bool:
+    """A cheap test: ``t`` (or its base) is a floating dtype cast with autograd history."""
+    base = t if t._base is None else t._base
+    return type(base.grad_fn).__name__ == CAST_NODE and base.is_floating_point()
 
 
 def _one(*_: object) -> float:

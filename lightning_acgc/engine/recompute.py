@@ -13,7 +13,7 @@ import torch
 
 from lightning_acgc.engine import derive, exact, extremum, sites
 from lightning_acgc.engine.derive_graph import check_unchanged, placed
-from lightning_acgc.engine.derive_view import view_plan
+from lightning_acgc.engine.derive_view import cast_plan, is_cast, view_plan
 from lightning_acgc.engine.meter import SiteRecord
 from lightning_acgc.engine.product_choice import ProductChoice
 from lightning_acgc.engine.saved import Saved
@@ -140,7 +140,8 @@ class Recomputing:
         by which the input's rounding variance reaches it."""
         replays = self.tracker.replays
         derivable = derive.derived_output(t)
-        if not derivable and t._base is None and not replays.candidate(site.module, t):
+        another = t._base is not None or is_cast(t)  # a view or a cast of one saved?
+        if not derivable and not another and not replays.candidate(site.module, t):
             return None
         if site.outside_every_module and not self.compress_loss:
             return None  # the loss's tensors: as float16 (EngineSettings.compress_loss)
@@ -158,6 +159,8 @@ class Recomputing:
                 return refs is not None and refs[1]() is recent[i].source()
 
             plan = view_plan(t, [entry.tensor() for entry in recent], current)
+        if plan is None and another:  # a cast of one saved (derive_view)
+            plan = cast_plan(t, origins)
         if plan is None:
             return None
         entries = [recent[i] for i in plan.sources]

@@ -137,6 +137,15 @@ def smooth_history(t: torch.Tensor, source: Origin, params: tuple[torch.Tensor, 
     return reached
 
 
+def _uncast(t: torch.Tensor) -> tuple[object, int]:
+    """The node and slot that made ``t``, or, for a dtype cast of a tensor (autocast's
+    16-bit copy of a float32 output for the Linear after it), those of its input."""
+    node = t.grad_fn
+    if type(node).__name__ == "ToCopyBackward0" and len(node.next_functions) == 1:  # type: ignore[union-attr]
+        return node.next_functions[0]  # type: ignore[union-attr]
+    return node, t.output_nr
+
+
 def _one_op(t: torch.Tensor, source: Origin) -> bool:
     """Whether ``t`` is made by one op straight from ``source`` (an ``nn.GELU``'s)."""
     node = t.grad_fn
@@ -292,7 +301,8 @@ class ModuleReplays:
         base = t if t._base is None else t._base
         if self._running and self._running[-1].name == module:
             return True
-        return any(node is base.grad_fn for node, _, _ in self._outputs)
+        made = _uncast(base)[0]
+        return any(node is made for node, _, _ in self._outputs)
 
     def plan(
         self, module: str, ordinal: int, t: torch.Tensor, recent: list[Origin]
@@ -308,22 +318,25 @@ class ModuleReplays:
         i = next((j for j in range(len(recent) - 1, -1, -1) if _is(recent[j], call.source)), None)
         if i is None or not self._check(call, index, base):
             return None
-        rerun, place = call.rerun, placed(t, base)
+        rerun, place, dtype = call.rerun, placed(t, base), base.dtype
         rerun.users += 1
 
         def fn(x_hat: torch.Tensor) -> torch.Tensor:
-            with torch.no_grad():
-                return place(rerun.take(x_hat, index))
+            with torch.no_grad():  # (cast as autocast cast the output for a 16-bit op)
+                return place(rerun.take(x_hat, index).to(dtype))
 
         def gain(x: torch.Tensor | None) -> float:
             return 1.0 if x is None else rerun.gain(x, index)
 
         name = "output" if index == OUTPUT else f"save {index}"
+        if _uncast(base)[0] is not base.grad_fn:
+            name = f"{name}, {str(dtype).removeprefix('torch.')}"
         return Derivation(fn, (i,), f"{type(call.module).__name__} run again ({name})", gain)
 
     def _call_of(self, module: str, ordinal: int, base: torch.Tensor) -> tuple[_Call | None, int]:
+        made, slot_made = _uncast(base)  # (an output, or autocast's cast of one)
         for node, slot, call in reversed(self._outputs):
-            if node is base.grad_fn and slot == base.output_nr:
+            if node is made and slot == slot_made:
                 return call, OUTPUT
         if self._running and self._running[-1].name == module:
             call = self._running[-1]
