@@ -75,11 +75,14 @@ def _grads(model: nn.Module, x: torch.Tensor, policy=None):
     return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()], stats
 
 
-def derived_matches_plain(model: nn.Module, x: torch.Tensor, rtol: float = 0, atol: float = 0):
+def derived_matches_plain(
+    model: nn.Module, x: torch.Tensor, rtol: float = 0, atol: float = 0, autocast: bool = False
+):
     """Gradients with every input kept and outputs derived equal plain's (to the
-    tolerances); the compressed step's stats."""
-    plain, _ = _grads(model, x)
-    derived, stats = _grads(model, x, Deriving(None))
+    tolerances; ``autocast``: both under bf16 autocast); the compressed step's stats."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        plain, _ = _grads(model, x)
+        derived, stats = _grads(model, x, Deriving(None))
     for a, b in zip(derived, plain, strict=True):
         torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
     return stats

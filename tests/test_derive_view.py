@@ -11,7 +11,7 @@ from torch import nn
 from lightning_acgc import compress_activations
 from lightning_acgc.codecs.spec import CodecSpec
 from lightning_acgc.engine.derive_view import view_plan
-from tests.test_derive import Deriving, _grads
+from tests.test_derive import Deriving, derived_matches_plain
 
 
 class Attention(nn.Module):
@@ -54,10 +54,7 @@ def _softmax_and_product(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 def test_the_probabilities_are_packed_once_and_give_plain_gradients():
     torch.manual_seed(0)
     model, x = Attention(), _inputs()
-    plain, _ = _grads(model, x)
-    kept, stats = _grads(model, x, Deriving(None))
-    for a, b in zip(kept, plain, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    stats = derived_matches_plain(model, x)
     views = {k: r for k, r in stats.sites.items() if r.settings.startswith("view of")}
     assert len(views) == 1
     (rec,) = views.values()
@@ -105,16 +102,7 @@ def test_autocast_s_copy_of_the_probabilities_is_cast_again():
     """Under bf16 autocast the softmax saves its float32 output and ``p·v`` a bf16 copy
     of it: remade as that cast of what the softmax's holder unpacks."""
     torch.manual_seed(0)
-    model, x = Attention(upcast=True), _inputs()
-
-    def grads(policy):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return _grads(model, x, policy)
-
-    plain, _ = grads(None)
-    kept, stats = grads(Deriving(None))
-    for a, b in zip(kept, plain, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    stats = derived_matches_plain(Attention(upcast=True), _inputs(), autocast=True)
     casts = [r for r in stats.sites.values() if r.settings.startswith("bfloat16 cast of")]
     assert len(casts) == 1 and casts[0].packed_bytes == 0
     assert stats.sites[casts[0].derived_from].dtype == "float32"

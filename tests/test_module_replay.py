@@ -14,7 +14,7 @@ from lightning_acgc import compress_activations
 from lightning_acgc.codecs.spec import CodecSpec
 from lightning_acgc.engine import ActivationCompressor
 from lightning_acgc.engine.replay import replay
-from tests.test_derive import Deriving, Mlp, _grads, _inputs
+from tests.test_derive import Deriving, Mlp, _grads, _inputs, derived_matches_plain
 
 
 class NewGelu(nn.Module):
@@ -77,11 +77,7 @@ def _remade(stats) -> dict[str, str]:
 
 def test_saves_and_output_are_remade_and_give_plain_gradients():
     torch.manual_seed(0)
-    model, x = Mlp(NewGelu()), _inputs()
-    plain, _ = _grads(model, x)
-    remade, stats = _grads(model, x, Deriving(None))
-    for a, b in zip(remade, plain, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    stats = derived_matches_plain(Mlp(NewGelu()), _inputs())
     settings = _remade(stats)
     # the tanh, 0.5·x and 1 + tanh inside; the output, saved by the second Linear
     assert sorted(settings) == ["act:1", "act:2", "act:3", "b:0"]
@@ -158,17 +154,8 @@ def test_one_run_per_call_at_unpack(policy):
 
 def test_remade_under_autocast_as_it_ran():
     torch.manual_seed(0)
-    model, x = Mlp(NewGelu()), _inputs(2)
-
-    def grads(policy):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return _grads(model, x, policy)
-
-    plain, _ = grads(None)
-    remade, stats = grads(Deriving(None))
+    stats = derived_matches_plain(Mlp(NewGelu()), _inputs(2), autocast=True)
     assert "b:0" in _remade(stats)
-    for a, b in zip(remade, plain, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_a_norm_written_out_is_remade_with_its_parameter_and_statistics_kept():
@@ -180,10 +167,7 @@ def test_a_norm_written_out_is_remade_with_its_parameter_and_statistics_kept():
     torch.manual_seed(0)
     model, x = Mlp(nn.Identity()), _inputs(3)
     model.norm = RMSNorm()
-    plain, _ = _grads(model, x)
-    remade, stats = _grads(model, x, Deriving(None))
-    for a, b in zip(remade, plain, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    stats = derived_matches_plain(model, x)
     settings = _remade(stats)
     assert settings == {"norm:4": "RMSNorm run again (save 4) of norm:0",
                         "a:0": "RMSNorm run again (output) of norm:0"}  # fmt: skip
@@ -213,14 +197,6 @@ def test_autocast_s_copy_of_the_output_is_the_output_run_again_and_cast():
     torch.manual_seed(0)
     model, x = Mlp(nn.Identity()), _inputs(4)
     model.norm = RMSNorm()
-
-    def grads(policy):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return _grads(model, x, policy)
-
-    plain, _ = grads(None)
-    remade, stats = grads(Deriving(None))
-    for a, b in zip(remade, plain, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    stats = derived_matches_plain(model, x, autocast=True)
     assert stats.sites["a:0"].dtype == "bfloat16"  # (a:1: the weight's bf16 copy)
     assert _remade(stats)["a:0"] == "RMSNorm run again (output, bfloat16) of norm:0"
