@@ -200,3 +200,27 @@ def test_autocast_s_copy_of_the_output_is_the_output_run_again_and_cast():
     stats = derived_matches_plain(model, x, autocast=True)
     assert stats.sites["a:0"].dtype == "bfloat16"  # (a:1: the weight's bf16 copy)
     assert _remade(stats)["a:0"] == "RMSNorm run again (output, bfloat16) of norm:0"
+
+
+class Switch(nn.Module):
+    """Saves other tensors once ``wide`` is off (as a forward that branches on its
+    input's values may on the decoded input)."""
+
+    wide = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(torch.pow(x, 2.0)) * (0.5 * x)
+        return y if Switch.wide else y[..., :8]
+
+
+def test_a_replay_that_saves_other_tensors_is_an_error_not_a_wrong_gradient():
+    torch.manual_seed(0)
+    model, x = Mlp(Switch()), _inputs()
+    with compress_activations(model=model, policy=Deriving(CodecSpec("quant", {"bits": 8}))):
+        loss = model(x).square().mean()
+    Switch.wide = False
+    try:
+        with pytest.raises(RuntimeError, match="Switch run again on its decoded input saved"):
+            loss.backward()
+    finally:
+        Switch.wide = True

@@ -16,7 +16,9 @@ grad on and its saves captured, once for all the tensors of one call (:class:`Re
 A statistic smaller than the input (the 1/rms) is left to the engine (kept exactly).
 
 A module qualifies when it holds no buffers or submodules (parameters, read again at
-unpack, must not change in place before it). Each site is checked before it is first
+unpack, must not change in place before it), and its ``forward`` must not branch on its
+input's values (run on the decoded input it must save what it saved; where the sizes
+differ, backward raises). Each site is checked before it is first
 remade, and again on every step that measures: the module run again on the exact input
 must give that tensor bit for bit (a random op in the module, an argument the hook does
 not see, fails it), or the site is left to its codec for good. A module whose ops jump
@@ -196,7 +198,10 @@ class Rerun:
         values (f'(x)² for an elementwise f; γ²/σ² for a norm), once for all of a
         call's tensors on ``x``. 1.0 where none is finite."""
         if self._gains is None or self._gains[0] is not x:
-            self._gains = (x, self._all_gains(x))
+            try:
+                self._gains = (x, self._all_gains(x))
+            except Exception:  # a module that does not run on its moved input: no reading
+                self._gains = (x, {})
         return self._gains[1].get(index, 1.0)
 
     def _all_gains(self, x: torch.Tensor) -> dict[int, float]:
@@ -318,12 +323,20 @@ class ModuleReplays:
         i = next((j for j in range(len(recent) - 1, -1, -1) if _is(recent[j], call.source)), None)
         if i is None or not self._check(call, index, base):
             return None
-        rerun, place, dtype = call.rerun, placed(t, base), base.dtype
+        rerun, place, dtype, shape = call.rerun, placed(t, base), base.dtype, base.shape
         rerun.users += 1
+        module = type(call.module).__name__
 
         def fn(x_hat: torch.Tensor) -> torch.Tensor:
             with torch.no_grad():  # (cast as autocast cast the output for a 16-bit op)
-                return place(rerun.take(x_hat, index).to(dtype))
+                made = rerun.take(x_hat, index)
+            if made.shape != shape:  # (a branch on the input's values took another way)
+                raise RuntimeError(
+                    f"lightning_acgc: {module} run again on its decoded input saved other "
+                    "tensors than in forward (its forward branches on its input's values?),"
+                    " so acgc cannot remake them; train this model with another policy"
+                )
+            return place(made.to(dtype))
 
         def gain(x: torch.Tensor | None) -> float:
             return 1.0 if x is None else rerun.gain(x, index)
