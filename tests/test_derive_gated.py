@@ -72,3 +72,5 @@ def test_a_square_has_one_holder_and_a_factor_not_saved_none():
     assert plan.gain(a.detach()) == pytest.approx(4 * float(a.detach().square().mean()))
     b = x * 3
     assert gated_output(a * b, a * b, [Origin.of(a)]) is None
+    w = torch.randn(4, 8, requires_grad=True)  # a parameter as a factor
+    assert gated_output(a * w, a * w, [Origin.of(a), Origin.of(w)]) is None

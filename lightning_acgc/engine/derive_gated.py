@@ -49,8 +49,8 @@ def gated_output(
         return None
     first, second = base.grad_fn.next_functions  # type: ignore[union-attr]
     i, j = find(recent, first, base), find(recent, second, base)
-    if i is None or j is None:
-        return None
+    if i is None or j is None or recent[i].leaf is not None or recent[j].leaf is not None:
+        return None  # (a parameter factor: read again at unpack unchecked, so not taken)
     place = placed(saved, base)
     if i == j:  # a·a: one holder, the error doubled
 
