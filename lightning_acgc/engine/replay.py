@@ -284,8 +284,8 @@ class ModuleReplays:
         if not qualifies or len(args) != 1 or not torch.is_grad_enabled():
             return
         x = args[0]
-        if not isinstance(x, torch.Tensor) or not x.requires_grad or not x.is_floating_point():
-            return
+        if not isinstance(x, torch.Tensor) or x.grad_fn is None or not x.is_floating_point():
+            return  # (a leaf input, a parameter's, is read again by no replay: not versioned)
         rerun = Rerun(module, autocast_state(x))
         self._running.append(_Call(module, name, Origin.of(x), ordinal, rerun, x, x.numel()))
 
