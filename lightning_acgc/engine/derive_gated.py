@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import torch
 
+from lightning_acgc.engine.derive_dropout import MUL_NODE
 from lightning_acgc.engine.derive_graph import Derivation, Origin, find, placed
 
 __all__ = ["gated", "gated_output"]
-
-MUL_NODE = "MulBackward0"
 
 
 def gated(base: torch.Tensor) -> bool:

@@ -24,11 +24,10 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_acgc.engine.derive_graph import Derivation, Origin, placed
+from lightning_acgc.engine.derive_cast import CAST_NODE, Unsaved, cast_output
+from lightning_acgc.engine.derive_graph import Derivation, Origin, find, placed
 
 __all__ = ["cast_plan", "is_cast", "view_plan"]
-
-CAST_NODE = "ToCopyBackward0"
 
 
 def view_plan(
@@ -62,27 +61,27 @@ def view_plan(
 def cast_plan(saved: torch.Tensor, recent: list[Origin]) -> Derivation | None:
     """How to remake ``saved`` (a view of ``base``), a dtype cast of a tensor saved just
     before it (autocast's bf16 copy of the float32 probabilities a softmax saved, for
-    the product after it), as that cast of what the first one's holder unpacks; None
-    where its input is not among ``recent`` (oldest first)."""
+    the product after it), as that cast of what the first one's holder unpacks
+    (:func:`~lightning_acgc.engine.derive_cast.cast_output`, its input taken as saved);
+    None where its input is not among ``recent`` (oldest first)."""
     base = saved if saved._base is None else saved._base
-    node = base.grad_fn
-    if type(node).__name__ != CAST_NODE or not base.is_contiguous():
+    if not is_cast(base):
         return None
-    (edge,) = node.next_functions  # type: ignore[union-attr]
-    found = [
-        i
-        for i in range(len(recent) - 1, -1, -1)
-        if recent[i].made(edge) and recent[i].shape == base.shape and recent[i].leaf is None
-    ]  # (a parameter's copy: cast again from the parameter itself, engine/param_casts.py)
-    if not found:
+    plan = cast_output(saved, base, recent, _saved_before)
+    return None if plan is None else plan._replace(name=plan.name.removesuffix(" of saved"))
+
+
+def _saved_before(like: Unsaved, recent: list[Origin]) -> Derivation | None:
+    """The cast's input as it is, where it is among ``recent`` (not a parameter: its
+    copy is cast again from the parameter itself, engine/param_casts.py)."""
+    i = find(recent, (like.grad_fn, like.output_nr), like)  # type: ignore[arg-type]
+    if i is None or recent[i].leaf is not None:
         return None
-    place, dtype = placed(saved, base), base.dtype
+    return Derivation(_as_is, (i,), "saved", _one)
 
-    def fn(source: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            return place(source.contiguous().to(dtype))
 
-    return Derivation(fn, (found[0],), f"{str(dtype).removeprefix('torch.')} cast", _one)
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def is_cast(t: torch.Tensor) -> bool:

@@ -140,7 +140,9 @@ class Recomputing:
         by which the input's rounding variance reaches it."""
         replays = self.tracker.replays
         derivable = derive.derived_output(t)
-        another = t._base is not None or is_cast(t)  # a view or a cast of one saved?
+        # a view of one saved (its storage saved before: ``raw`` 0), or a cast of one?
+        viewed = t._base is not None and raw == 0
+        another = viewed or is_cast(t)
         if not derivable and not another and not replays.candidate(site.module, t):
             return None
         if site.outside_every_module and not self.compress_loss:
@@ -152,7 +154,7 @@ class Recomputing:
         plan = replays.plan(site.module, site.ordinal, t, origins)
         if plan is None and derivable:
             plan = derive.derive_plan(t, origins, self._locator(recent), self.remake_products)
-        if plan is None and t._base is not None:  # another view of one saved (derive_view)
+        if plan is None and viewed:  # another view of one saved (derive_view)
 
             def current(i: int, u: torch.Tensor) -> bool:  # u packed at this version
                 refs = self._dedup.get((key[0], u.storage_offset(), *_layout(u), key[5]))

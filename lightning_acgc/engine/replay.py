@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lightning_acgc.engine.derive_cast import CAST_NODE
 from lightning_acgc.engine.derive_graph import Derivation, Origin, check_unchanged, placed
 
 __all__ = ["SMOOTH_NODES", "ModuleReplays", "Rerun", "autocast_state", "replay"]
@@ -113,10 +114,10 @@ def _qualifies(module: nn.Module) -> bool:
     return own_forward and not any(True for _ in (*module.buffers(False), *module.children()))
 
 
-def smooth_history(t: torch.Tensor, source: Origin, params: tuple[torch.Tensor, ...] = ()) -> bool:
+def smooth_history(t: torch.Tensor, source: Origin, module: nn.Module | None = None) -> bool:
     """Whether ``t``'s history reaches ``source`` and holds nothing but smooth
     elementwise ops (:data:`SMOOTH_NODES`) and means or sums (:data:`REDUCTION_NODES`)
-    on the way, besides constants and ``params`` (the module's own parameters)."""
+    on the way, besides constants and ``module``'s own parameters."""
     start = t.grad_fn
     if start is None or source.made((start, t.output_nr)):
         return False
@@ -130,7 +131,7 @@ def smooth_history(t: torch.Tensor, source: Origin, params: tuple[torch.Tensor, 
         if len(seen) > _WALK_LIMIT or (kind not in SMOOTH_NODES and kind not in REDUCTION_NODES):
             return False
         for edge in node.next_functions:
-            if edge[0] is None or _own_param(edge[0], params):
+            if edge[0] is None or _own_param(edge[0], module):
                 continue
             if source.made(edge):
                 reached = True
@@ -143,7 +144,7 @@ def _uncast(t: torch.Tensor) -> tuple[object, int]:
     """The node and slot that made ``t``, or, for a dtype cast of a tensor (autocast's
     16-bit copy of a float32 output for the Linear after it), those of its input."""
     node = t.grad_fn
-    if type(node).__name__ == "ToCopyBackward0" and len(node.next_functions) == 1:  # type: ignore[union-attr]
+    if type(node).__name__ == CAST_NODE and len(node.next_functions) == 1:  # type: ignore[union-attr]
         return node.next_functions[0]  # type: ignore[union-attr]
     return node, t.output_nr
 
@@ -154,9 +155,11 @@ def _one_op(t: torch.Tensor, source: Origin) -> bool:
     return node is not None and any(source.made(edge) for edge in node.next_functions)
 
 
-def _own_param(node: object, params: tuple[torch.Tensor, ...]) -> bool:
+def _own_param(node: object, module: nn.Module | None) -> bool:
     variable = getattr(node, "variable", None)  # (an AccumulateGrad's)
-    return variable is not None and any(variable is p for p in params)
+    if variable is None or module is None:
+        return False
+    return any(variable is p for p in module.parameters(False))
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -175,9 +178,9 @@ class Rerun:
 
     def __init__(self, module: nn.Module, autocast: tuple[str, bool, torch.dtype]) -> None:
         self.module, self.autocast, self.users = module, autocast, 0
-        self.params = tuple(module.parameters(False))
         # (read at unpack: a parameter changed in place since forward is an error)
-        self.unchanged = check_unchanged(f"a parameter of {type(module).__name__}", *self.params)
+        params = module.parameters(False)
+        self.unchanged = check_unchanged(f"a parameter of {type(module).__name__}", *params)
         self._of: torch.Tensor | None = None
         self._made: tuple[list[torch.Tensor], torch.Tensor] | None = None
         self._gains: tuple[torch.Tensor, dict[int, float]] | None = None
@@ -240,17 +243,26 @@ class _Call:
     name: str
     source: Origin  # its input's place in the graph
     first: int  # the module's ordinal of its first save in this call
-    rerun: Rerun
+    autocast: tuple[str, bool, torch.dtype]
     x: torch.Tensor | None = None  # the input itself, while the call runs
     source_numel: int = 0
     checked: tuple[list[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)
+    _rerun: Rerun | None = field(default=None, repr=False)
+
+    @property
+    def rerun(self) -> Rerun:
+        """Made at first use, in forward (its parameters' versions are forward's): most
+        calls (a Linear's, a convolution's) never have a tensor remade."""
+        if self._rerun is None:
+            self._rerun = Rerun(self.module, self.autocast)
+        return self._rerun
 
     def exact(self) -> tuple[list[torch.Tensor], torch.Tensor] | None:
         """The module run again on the exact input (once a call; RNG state untouched)."""
         if self.checked is None and self.x is not None:
             devices = [self.x.device] if self.x.device.type == "cuda" else []
             with torch.random.fork_rng(devices=devices), contextlib.suppress(Exception):
-                self.checked = replay(self.module, self.x, self.rerun.autocast)
+                self.checked = replay(self.module, self.x, self.autocast)
         return self.checked
 
 
@@ -286,17 +298,16 @@ class ModuleReplays:
         x = args[0]
         if not isinstance(x, torch.Tensor) or x.grad_fn is None or not x.is_floating_point():
             return  # (a leaf input, a parameter's, is read again by no replay: not versioned)
-        rerun = Rerun(module, autocast_state(x))
-        self._running.append(_Call(module, name, Origin.of(x), ordinal, rerun, x, x.numel()))
+        state = autocast_state(x)
+        self._running.append(_Call(module, name, Origin.of(x), ordinal, state, x, x.numel()))
 
     def exit(self, module: nn.Module, output: object) -> None:
         if not self._running or self._running[-1].module is not module:
             return
         call = self._running.pop()
-        params = call.rerun.params
         if not isinstance(output, torch.Tensor) or _one_op(output, call.source):
             pass  # (one op on the input: engine/derive.py remakes its output, if any)
-        elif smooth_history(output, call.source, params):
+        elif smooth_history(output, call.source, call.module):
             self._outputs.append((output.grad_fn, output.output_nr, call))
             self._check(call, OUTPUT, output)
         call.x = call.checked = None
@@ -318,7 +329,7 @@ class ModuleReplays:
         call, index = self._call_of(module, ordinal, base)
         if call is None or not base.is_contiguous() or base.numel() != call.source_numel:
             return None  # (a norm's statistics, smaller than its input: kept as before)
-        if not smooth_history(base, call.source, call.rerun.params):
+        if not smooth_history(base, call.source, call.module):
             return None
         i = next((j for j in range(len(recent) - 1, -1, -1) if _is(recent[j], call.source)), None)
         if i is None or not self._check(call, index, base):
