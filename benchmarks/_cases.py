@@ -1,7 +1,7 @@
 """The models the memory and speed benchmarks run: small ones for ``--quick``, the size
 presets of ``configs/model/`` (published dimensions) for full mode.
 
-A case is a family (``resnet``, ``bert``, ``gnn``: which blocks checkpointing wraps), the
+A case is a family (``resnet``, ``bert``, ``gnn``, ``lm``: which blocks checkpointing wraps), the
 Hydra overrides that compose it, and its batch: the recipe's data where that is cheap at
 this size, or a generated batch of the preset's input size (ImageNet-size images).
 """
@@ -22,6 +22,7 @@ __all__ = [
     "CASES",
     "DEFAULT_CASES",
     "FAMILIES",
+    "LM_CASES",
     "SPEED_CASES",
     "Case",
     "cases_parser",
@@ -30,7 +31,7 @@ __all__ = [
     "sparse_adjacency",
 ]
 
-FAMILIES = ("resnet", "bert", "gnn")
+FAMILIES = ("resnet", "bert", "gnn", "lm")
 
 # A generated graph at ogbn-arxiv scale: 169,343 nodes, ~1.18M undirected edges (2.37M
 # directed), 128 features, 40 classes; the SBM generator of the GNN recipe.
@@ -45,13 +46,17 @@ ARXIV = (
 # process holds), sequences of 128 tokens; the text recipe's generated task
 TEXT = ("data.seq_len=128", "data.vocab_size=30522", "data.num_samples=256")
 
+# The causal LMs read Python's documentation text (the char-LM recipe's data: a vocabulary
+# of 128 characters), 256 characters per sequence
+PYTEXT = ("data.seq_len=256",)
+
 
 @dataclass(frozen=True)
 class Case:
     """One benchmarked model.
 
     Args:
-        family: ``resnet``, ``bert`` or ``gnn``.
+        family: ``resnet``, ``bert``, ``gnn`` or ``lm`` (a Hugging Face causal LM).
         overrides: Hydra overrides of the recipe's config.
         batch_size: samples per step (``None``: the whole graph).
         image_size: side of generated images (``None``: the recipe's data).
@@ -88,6 +93,8 @@ CASES: dict[str, dict[str, Case]] = {
         "resnet": Case("resnet", ("model=resnet", "model.width=0.125"), 32),
         "bert": Case("bert", ("model=bert", "data.num_samples=512"), 32),
         "gnn": Case("gnn", ("model=gnn", "data.num_nodes=2000")),
+        "gpt2": Case("lm", ("model=causal_lm", "model.arch=gpt2", "data.seq_len=64"), 16),
+        "llama": Case("lm", ("model=causal_lm", "model.num_kv_heads=2", "data.seq_len=64"), 16),
     },
     "full": {
         # full width, CIFAR stem, batch 64: the size issue 14's step-time bar names
@@ -105,6 +112,8 @@ CASES: dict[str, dict[str, Case]] = {
         "gcn_256": Case("gnn", ("model=gcn_256", *ARXIV), sparse_adjacency=True),
         "sage_256": Case("gnn", ("model=sage_256", *ARXIV), sparse_adjacency=True),
         "gat_256": Case("gnn", ("model=gat_256", *ARXIV)),
+        "gpt2_small": Case("lm", ("model=gpt2_small", *PYTEXT), 4),
+        "llama_135m": Case("lm", ("model=llama_135m", *PYTEXT), 4),
     },
 }
 
@@ -113,6 +122,9 @@ DEFAULT_CASES = {
     "quick": ("resnet", "bert", "gnn"),
     "full": ("resnet50_imagenet", "bert_base", "gcn_256"),
 }
+
+# What the causal-LM benchmark (``benchmarks/causal_lm.py``) measures by default.
+LM_CASES = {"quick": ("gpt2", "llama"), "full": ("gpt2_small", "llama_135m")}
 
 # What the speed benchmark measures by default: the same, and in full mode also ResNet-18
 # at full width with a training batch of 64 (a plain step takes about 1 s on 2 cores),

@@ -153,6 +153,17 @@ def _describe(name: str, cfg: DictConfig, batch: Any, generated: bool = False) -
             f"BERT {m.num_layers}x{m.hidden_size} ({m.num_heads} heads, {m.attn_implementation} "
             f"attention), text seq {seq}, batch {n}"
         )
+    if name == "lm":
+        n, seq = batch[0].shape
+        heads = f"{m.num_heads} heads"
+        if m.arch == "llama":
+            kv = m.num_kv_heads or m.num_heads
+            heads += f", {kv} key/value" if kv != m.num_heads else ""
+        arch = "GPT-2" if m.arch == "gpt2" else "Llama"
+        return (
+            f"{arch} {m.num_layers}x{m.hidden_size} ({heads}, {m.attn_implementation} "
+            f"attention), Python docs characters, seq {seq}, batch {n}"
+        )
     edges = batch.edge_index
     sparse = not isinstance(edges, torch.Tensor) or edges.layout != torch.strided
     count = edges._nnz() if sparse else edges.shape[1]
@@ -229,7 +240,7 @@ def timed_step(step: Callable[[], Any], device: torch.device) -> float:
 
 def checkpoint_blocks(name: str, module: nn.Module) -> list[str]:
     """Modules that ``torch.utils.checkpoint`` wraps one by one: residual blocks (ResNet),
-    encoder layers (BERT), message-passing layers (GNN)."""
+    encoder layers (BERT), message-passing layers (GNN), decoder layers (causal LMs)."""
     if name == "resnet":
         from recipes.models.resnet import BasicBlock, Bottleneck
 
@@ -238,6 +249,11 @@ def checkpoint_blocks(name: str, module: nn.Module) -> list[str]:
         from transformers.models.bert.modeling_bert import BertLayer
 
         types = (BertLayer,)
+    elif name == "lm":
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        types = (GPT2Block, LlamaDecoderLayer)
     else:
         from torch_geometric.nn.conv import MessagePassing
 

@@ -243,6 +243,19 @@ class CharLMModelSchema(ModelSchema):
     dropout: float = MISSING
 
 
+@dataclass
+class CausalLMModelSchema(ModelSchema):
+    max_seq_len: int = MISSING
+    arch: str = MISSING
+    hidden_size: int = MISSING
+    num_layers: int = MISSING
+    num_heads: int = MISSING
+    num_kv_heads: int | None = MISSING
+    intermediate_size: int | None = MISSING
+    dropout: float = MISSING
+    attn_implementation: str = MISSING
+
+
 # ----------------------------------------------------------------------------- trainer
 @dataclass
 class TrainerSchema:
@@ -305,6 +318,7 @@ _SCHEMAS: dict[str, dict[str, type]] = {
         "bert": BertModelSchema,
         "gnn": GNNModelSchema,
         "charlm": CharLMModelSchema,
+        "causal_lm": CausalLMModelSchema,
     },
     "trainer": {"default": TrainerSchema},
 }

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch_geometric.data import Data
 
-from benchmarks._cases import CASES, DEFAULT_CASES, FAMILIES, sparse_adjacency
+from benchmarks._cases import CASES, DEFAULT_CASES, FAMILIES, LM_CASES, sparse_adjacency
 from benchmarks._harness import build_case, make_runner
 from benchmarks.memory import _gradients, gradient_error
 from recipes.config_schema import compose_config
@@ -29,8 +29,12 @@ def test_full_case_composes_its_preset(name: str) -> None:
 
 
 def test_default_cases_cover_every_family() -> None:
+    """run_all's memory and speed measure one case of each recipe family; the causal-LM
+    benchmark the language models."""
     for mode, names in DEFAULT_CASES.items():
-        assert sorted(CASES[mode][n].family for n in names) == sorted(FAMILIES)
+        families = [CASES[mode][n].family for n in (*names, *LM_CASES[mode])]
+        assert sorted(set(families)) == sorted(FAMILIES)
+        assert {CASES[mode][n].family for n in LM_CASES[mode]} == {"lm"}
 
 
 @pytest.mark.parametrize("arch", ["gcn", "sage"])
