@@ -208,6 +208,16 @@ def render(results: Path = RESULTS, mode: str = "auto") -> str:
         picked.get("fit_time"),
         fit_time_table(picked.get("fit_time")),
     )
+    causal = picked.get("causal_lm")
+    lines += _section(
+        "Hugging Face causal language models, side by side (`benchmarks/causal_lm.py`: "
+        "the memory and step-time measurements above, on GPT-2 and Llama decoders; "
+        "checkpointing wraps each decoder layer)",
+        causal,
+        memory_time_table(causal["memory"], causal["speed"])
+        if causal
+        else ["(causal_lm: not run)"],
+    )
     runs = {
         m: (everything[m]["memory"], everything[m].get("speed"))
         for m in ("full", "quick")

@@ -42,6 +42,7 @@ BENCHMARKS = (
     "memory",
     "speed",
     "fit_time",
+    "causal_lm",
     "accuracy",
     "batch",
     "tradeoff",
@@ -54,7 +55,7 @@ BENCHMARKS = (
     "precision",
 )
 # The benchmarks that repeat interleaved rounds (``--rounds``; each has its own default).
-ROUNDS = ("speed", "fit_time", "codecs", "cpu_backends")
+ROUNDS = ("speed", "fit_time", "causal_lm", "codecs", "cpu_backends")
 # Run only when asked (``--only kernels``): the Triton kernels' GB/s mean something on a GPU.
 EXTRA = ("kernels",)
 
@@ -126,7 +127,7 @@ def extra_options(name: str, batch_size: int | None, rounds: int | None) -> list
         (['--batch-size', '8', '--rounds', '9'], [])
     """
     extra = []
-    if batch_size is not None and name in ("memory", "speed", "batch"):
+    if batch_size is not None and name in ("memory", "speed", "causal_lm", "batch"):
         extra += ["--batch-size", str(batch_size)]
     if rounds is not None and name in ROUNDS:
         extra += ["--rounds", str(rounds)]

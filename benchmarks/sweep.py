@@ -63,6 +63,23 @@ RECIPES: dict[str, list[str]] = {
         "data.num_windows=4000",
         "trainer.max_epochs=1",
     ],
+    # Hugging Face decoders of the same width and data (model=causal_lm: fused attention)
+    "llama": [
+        "model=causal_lm",
+        "model.hidden_size=64",
+        "model.num_kv_heads=2",
+        "data.seq_len=64",
+        "data.num_windows=4000",
+        "trainer.max_epochs=1",
+    ],
+    "gpt2": [
+        "model=causal_lm",
+        "model.arch=gpt2",
+        "model.hidden_size=64",
+        "data.seq_len=64",
+        "data.num_windows=4000",
+        "trainer.max_epochs=1",
+    ],
     # ResNet-18 at width 1/8 on digits, batch 64, 3 epochs (as experiment=compare_digits)
     "resnet": ["model=resnet", "model.width=0.125", "trainer.max_epochs=3"],
     # BERT 2 x 64 on the generated marker-order task, 3000 sequences, 3 epochs

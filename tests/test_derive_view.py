@@ -79,8 +79,34 @@ def test_only_a_view_of_the_same_values_is_remade():
     assert view_plan(p, [p]) is None  # not a view
     assert view_plan(t, [p.detach().clone()]) is None  # another storage
     assert view_plan(p[:, :1].reshape(2, 4, 4), [p[:, 1:]]) is None  # elements it lacks
-    q = p.transpose(-1, -2)  # not contiguous: its decoded values lie otherwise
-    assert view_plan(t, [q]) is None
+    q = p.transpose(-1, -2)  # laid out as p, indexed otherwise: dense in another order
+    plan = view_plan(t, [q])
+    assert plan is not None and torch.equal(plan.fn(q.detach().contiguous()), t.detach())
+    assert view_plan(t, [p[:, :, :, :2]]) is None  # a slice: not dense
+
+
+class FusedAttention(nn.Module):
+    """Heads split by a view and a transpose (Hugging Face's layout), the fused attention
+    (its output laid out (batch, seq, heads, dim)), and the output projection, which
+    saves that output's (batch, seq, heads·dim) view: one storage saved twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.view(4, 32, 2, 8).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        o = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(o.transpose(1, 2).contiguous().reshape(4, 32, 16))
+
+
+def test_a_fused_attention_s_output_is_packed_once():
+    torch.manual_seed(0)
+    stats = derived_matches_plain(FusedAttention(), _inputs())
+    views = [r for r in stats.sites.values() if r.settings.startswith("view of")]
+    assert len(views) == 1 and views[0].packed_bytes == 0 and views[0].module_type == "Linear"
+    first = stats.sites[views[0].derived_from]
+    assert first.shape == (4, 2, 32, 8) and first.packed_bytes > 0
 
 
 def test_not_a_view_of_values_changed_in_place_since_they_were_saved():

@@ -16,6 +16,7 @@ __all__ = [
     "Origin",
     "affine_param",
     "check_unchanged",
+    "dense_order",
     "find",
     "placed",
     "used_param",
@@ -83,24 +84,44 @@ class Derivation(NamedTuple):
 
 
 def placed(saved: torch.Tensor, base: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The view ``saved`` of the contiguous ``base``, taken of a tensor laid out as it
-    (which may itself start into its storage: a replayed copy of a contiguous slice,
-    ``y[2:4].clone()``, replays as the slice).
+    """The view ``saved`` of ``base`` (contiguous, or dense in another order of its
+    dimensions: :func:`dense_order`), taken of a tensor of ``base``'s values laid out as
+    ``base`` is (which may itself start into its storage: a replayed copy of a
+    contiguous slice, ``y[2:4].clone()``, replays as the slice).
 
     Example:
         >>> y = torch.arange(12.0).view(3, 4)
         >>> base = y[1:].clone()
         >>> placed(base[:, 1], base)(y[1:])
         tensor([5., 9.])
+        >>> t = torch.arange(6.0).view(3, 2).t()  # dense, dimensions swapped
+        >>> placed(t.t().reshape(6), t)(t.contiguous())
+        tensor([0., 1., 2., 3., 4., 5.])
     """
     size, stride = tuple(saved.shape), saved.stride()
     offset = saved.storage_offset() - base.storage_offset()
+    order = None if base.is_contiguous() else dense_order(base)
 
     def place(out: torch.Tensor) -> torch.Tensor:
-        out = out.contiguous()
+        out = out.contiguous() if order is None else out.permute(order).contiguous()
         return out.as_strided(size, stride, out.storage_offset() + offset)
 
     return place
+
+
+def dense_order(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The order of ``t``'s dimensions in which it is contiguous (outermost first), where
+    it covers its storage span densely in some order (an attention's output laid out
+    (batch, seq, heads, dim) but indexed (batch, heads, seq, dim)); None where none.
+
+    Example:
+        >>> dense_order(torch.empty(2, 5, 3, 4).transpose(1, 2))
+        (0, 2, 1, 3)
+        >>> dense_order(torch.empty(4, 4)[:, :2]) is None
+        True
+    """
+    order = tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+    return order if t.permute(order).is_contiguous() else None
 
 
 def find(recent: list[Origin], edge: tuple[object, int], base: torch.Tensor) -> int | None:

@@ -4,7 +4,9 @@ of what the first one's holder unpacks.
 An eager attention's probabilities ``p`` are saved by their softmax (4-D) and, where no
 dropout makes a new tensor of them (dropout 0, as Llama's, Mistral's and most language
 models' pretraining), by the ``p·v`` product as the 3-D view its batched matmul takes:
-one storage, two shapes, packed twice (the exact-view dedup keys on the shape). With
+one storage, two shapes, packed twice (the exact-view dedup keys on the shape); so is a
+fused attention's output (``scaled_dot_product_attention`` keeps it for its backward) and
+its (batch, seq, heads·dim) view that the output projection saves. With
 ``acgc`` the second is stored as nothing and made at unpack as the same view of the
 first's decoded values: the two backward reads then see one rounding, charged once.
 Likewise a dtype cast of a tensor saved just before it (:func:`cast_plan`: Llama casts
@@ -25,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from lightning_acgc.engine.derive_cast import CAST_NODE, Unsaved, cast_output
-from lightning_acgc.engine.derive_graph import Derivation, Origin, find, placed
+from lightning_acgc.engine.derive_graph import Derivation, Origin, dense_order, find, placed
 
 __all__ = ["cast_plan", "is_cast", "view_plan"]
 
@@ -36,11 +38,13 @@ def view_plan(
     current: Callable[[int, torch.Tensor], bool] = lambda i, u: True,
 ) -> Derivation | None:
     """How to remake ``saved``, a view, as a view of one of ``held`` (the tensors saved
-    just before it, oldest first; None where freed): one of the same storage,
-    contiguous, of the same dtype, whose elements hold all of ``saved``'s, and whose
-    holder holds its values now (``current(i, u)``: saved at the storage's present
-    version; views share one version counter, so only the engine, which keyed each save
-    by its version, can tell an in-place change since); None where there is none."""
+    just before it, oldest first; None where freed): one of the same storage, dense
+    (contiguous, or in another order of its dimensions: a fused attention's output,
+    whose (batch, seq, heads·dim) view the output projection saves), of the same dtype,
+    whose elements hold all of ``saved``'s, and whose holder holds its values now
+    (``current(i, u)``: saved at the storage's present version; views share one version
+    counter, so only the engine, which keyed each save by its version, can tell an
+    in-place change since); None where there is none."""
     base = saved._base
     if base is None or not saved.numel() or any(s < 0 for s in saved.stride()):
         return None
@@ -49,7 +53,8 @@ def view_plan(
         u = held[i]
         if u is None or u is saved or (u is not base and u._base is not base):
             continue
-        if u.dtype != saved.dtype or not u.is_contiguous() or not current(i, u):
+        dense = u.is_contiguous() or dense_order(u) is not None
+        if u.dtype != saved.dtype or not dense or not current(i, u):
             continue
         start = saved.storage_offset() - u.storage_offset()
         if start < 0 or start + reach >= u.numel():
