@@ -313,3 +313,6 @@ def test_acgc_reads_another_library_s_rms_norm_as_a_norm() -> None:
         # the probabilities saved by softmax and, as a view, by p·v: packed once
         views = [r for k, r in cb.stats.sites.items() if k.startswith(f"{layer}.self_attn:")]
         assert any(r.settings.startswith("view of") for r in views)
+        # the rotated query and key, saved by q·kᵀ: remade from q_proj's and k_proj's
+        # input and the rotation's tables (derive_rotary)
+        assert sum(r.settings.startswith("rotary of linear") for r in views) == 2

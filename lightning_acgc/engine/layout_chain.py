@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["LAYOUT_NODES", "Chain", "layout_chain"]
+__all__ = ["LAYOUT_NODES", "Chain", "layout_chain", "node_int"]
 
 Step = Callable[[torch.Tensor], torch.Tensor]
 Shape = tuple[int, ...]
@@ -70,14 +70,14 @@ class Chain(NamedTuple):
         return y
 
 
-def _int(value: object) -> int:
+def node_int(value: object) -> int:
     """An integer read off a node (negative ones come back as unsigned 64-bit)."""
     v = int(value)  # type: ignore[call-overload]
     return v - 2**64 if v >= 2**63 else v
 
 
 def _dim(value: object, ndim: int) -> int:
-    return _int(value) % ndim if ndim else 0
+    return node_int(value) % ndim if ndim else 0
 
 
 def _sizes(node: object) -> Shape:
@@ -95,11 +95,11 @@ def _sized_step(node: object, kind: str, shape: Shape) -> tuple[Step, Shape] | N
         return ((lambda y: y.expand(shape)), before) if -1 not in shape else None
     dim = _dim(node._saved_dim, len(before))  # type: ignore[attr-defined]
     if kind == "SelectBackward0":
-        index = _int(node._saved_index)  # type: ignore[attr-defined]
+        index = node_int(node._saved_index)  # type: ignore[attr-defined]
         return (lambda y: y.select(dim, index)), before
     if kind == "SliceBackward0":
-        start, end = _int(node._saved_start), _int(node._saved_end)  # type: ignore[attr-defined]
-        step = _int(node._saved_step)  # type: ignore[attr-defined]
+        start, end = node_int(node._saved_start), node_int(node._saved_end)  # type: ignore[attr-defined]
+        step = node_int(node._saved_step)  # type: ignore[attr-defined]
         return (lambda y: torch.ops.aten.slice(y, dim, start, end, step)), before
     if kind == "SqueezeBackward1":
         return (lambda y: y.squeeze(dim)), before

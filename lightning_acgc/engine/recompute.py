@@ -13,6 +13,7 @@ import torch
 
 from lightning_acgc.engine import derive, exact, extremum, sites
 from lightning_acgc.engine.derive_graph import check_unchanged, placed
+from lightning_acgc.engine.derive_rotary import rotary, rotary_output
 from lightning_acgc.engine.derive_view import cast_plan, is_cast, view_plan
 from lightning_acgc.engine.meter import SiteRecord
 from lightning_acgc.engine.product_choice import ProductChoice
@@ -143,7 +144,9 @@ class Recomputing:
         # a view of one saved (its storage saved before: ``raw`` 0), or a cast of one?
         viewed = t._base is not None and raw == 0
         another = viewed or is_cast(t)
-        if not derivable and not another and not replays.candidate(site.module, t):
+        rotated = rotary(t if t._base is None else t._base)  # a rotated query or key?
+        candidate = derivable or another or rotated
+        if not candidate and not replays.candidate(site.module, t):
             return None
         if site.outside_every_module and not self.compress_loss:
             return None  # the loss's tensors: as float16 (EngineSettings.compress_loss)
@@ -154,6 +157,9 @@ class Recomputing:
         plan = replays.plan(site.module, site.ordinal, t, origins)
         if plan is None and derivable:
             plan = derive.derive_plan(t, origins, self._locator(recent), self.remake_products)
+        if plan is None and rotated and self.remake_products:  # (derive_rotary)
+            base = t if t._base is None else t._base
+            plan = rotary_output(t, base, origins, self._locator(recent, exact=False))
         if plan is None and viewed:  # another view of one saved (derive_view)
 
             def current(i: int, u: torch.Tensor) -> bool:  # u packed at this version
@@ -194,11 +200,12 @@ class Recomputing:
             (rec.derived_from, rec.gain), rec.also_from = held[0], tuple(held[1:])
         return saved
 
-    def _locator(self, recent: list[Recent]) -> derive.Locate:
+    def _locator(self, recent: list[Recent], exact: bool = True) -> derive.Locate:
         """``locate(node, attr)`` for :func:`~lightning_acgc.engine.derive.derive_plan`:
         the position in ``recent`` of what the engine returned when autograd saved
         ``node``'s ``attr``, where it gives the values back exactly (the tensor itself,
-        one kept as it is, or the lossless ``mask`` codec's); else None. Autograd is
+        one kept as it is, or the lossless ``mask`` codec's; ``exact=False``: whatever
+        it gives back, a rotation's tables); else None. Autograd is
         asked which holder it keeps (the unpack hook, while ``_peeking``, only notes the
         holder it is given), so no order of saves is assumed."""
 
@@ -210,7 +217,7 @@ class Recomputing:
                 return None
             finally:
                 held, self._peeking = self._peeking, None
-            if len(held) != 1 or not _exact(held[0]):
+            if len(held) != 1 or (exact and not _exact(held[0])):
                 return None
             return next((i for i, e in enumerate(recent) if e.source() is held[0]), None)
 
