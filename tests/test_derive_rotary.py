@@ -28,14 +28,19 @@ class RotaryAttention(nn.Module):
     """Four query heads, two key/value heads of 8, positions rotated; ``fused``: PyTorch's
     fused attention, else written out (the matmuls save the heads' copies)."""
 
-    def __init__(self, fused: bool = True, turn=rotate_half, swapped: bool = False) -> None:
+    def __init__(
+        self, fused: bool = True, turn=rotate_half, swapped: bool = False, cast: bool = True
+    ) -> None:
         super().__init__()
+        self.cast = cast  # the tables cast to q's dtype (else float32: q·cos promotes)
         self.q, self.k, self.v = nn.Linear(16, 32), nn.Linear(16, 16), nn.Linear(16, 16)
         self.o = nn.Linear(32, 16)
         self.fused, self.turn, self.swapped = fused, turn, swapped
         self.register_buffer("inv_freq", 10 ** -(torch.arange(4.0) / 4), persistent=False)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.cast:
+            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         if self.swapped:
             return self.turn(x) * sin + cos * x
         return x * cos + self.turn(x) * sin
@@ -75,6 +80,17 @@ def test_the_rotated_query_and_key_are_remade_with_plain_gradients(fused, swappe
     stats = derived_matches_plain(RotaryAttention(fused, swapped=swapped), _inputs())
     rotated = _rotated(stats)
     assert len(rotated) == 2 and all(r.packed_bytes == 0 for r in rotated)
+
+
+@pytest.mark.parametrize("cast", [True, False], ids=["bf16-tables", "float32-tables"])
+def test_under_bf16_autocast_too(cast):
+    """The projections run in bf16 (the weights cast by autocast); with float32 tables
+    (Llama's: made in the hidden states' dtype) the rotation runs in float32 and the
+    attention takes a bf16 copy of it, remade as that cast."""
+    torch.manual_seed(0)
+    stats = derived_matches_plain(RotaryAttention(cast=cast), _inputs(), autocast=True)
+    rotated = _rotated(stats)
+    assert len(rotated) == 2 and all(r.dtype == "bfloat16" for r in rotated)
 
 
 def test_another_rotation_is_not_remade():

@@ -40,7 +40,7 @@ from collections.abc import Callable
 import torch
 
 from lightning_acgc.engine.derive_batch_norm import ADD_NODE
-from lightning_acgc.engine.derive_cast import Unsaved
+from lightning_acgc.engine.derive_cast import CAST_NODE, SOURCE_DTYPES, Unsaved
 from lightning_acgc.engine.derive_dropout import MUL_NODE
 from lightning_acgc.engine.derive_graph import Derivation, Origin, dense_order, placed
 from lightning_acgc.engine.derive_linear import linear_output
@@ -55,8 +55,15 @@ Locate = Callable[[object, str], "int | None"]
 
 def rotary(base: torch.Tensor) -> bool:
     """A cheap test: ``base`` is a sum of two products (the rotation's form), or layout
-    steps of one."""
-    return layout_chain(base, _is_rotation) is not None
+    steps of one, or a cast of either."""
+    if layout_chain(base, _is_rotation) is not None:
+        return True
+    node = base.grad_fn
+    if type(node).__name__ != CAST_NODE or not base.is_floating_point():
+        return False
+    ((inner, slot),) = node.next_functions  # type: ignore[union-attr]
+    like = Unsaved(inner, base.shape, base.dtype, base.device, slot)
+    return layout_chain(like, _is_rotation) is not None  # type: ignore[arg-type]
 
 
 def _is_rotation(node: object) -> bool:
@@ -111,12 +118,38 @@ def rotary_output(
     saved: torch.Tensor, base: torch.Tensor, recent: list[Origin], locate: Locate
 ) -> Derivation | None:
     """How to remake ``saved`` (a view of ``base``: ``q·cos + rotate_half(q)·sin``, ``q``
-    a Linear's product after layout steps, itself after layout steps: an eager
-    attention's head copies) from the Linear's input and the holders of ``cos`` and
-    ``sin`` in ``recent``; None where ``base`` is not of that form or one of them is
-    not there."""
-    chain = layout_chain(base, _is_rotation)
-    if chain is None or (not base.is_contiguous() and dense_order(base) is None):
+    a Linear's product after layout steps, itself after layout steps, an eager
+    attention's head copies, or cast: under autocast a bf16 ``q`` times float32 tables
+    runs in float32, and the attention takes a bf16 copy) from the Linear's input and
+    the holders of ``cos`` and ``sin`` in ``recent``; None where ``base`` is not of
+    that form or one of them is not there."""
+    if not base.is_contiguous() and dense_order(base) is None:
+        return None
+    plan, to = _rotation(base, recent, locate), None
+    if plan is None and type(base.grad_fn).__name__ == CAST_NODE:
+        ((inner, slot),) = base.grad_fn.next_functions  # type: ignore[union-attr]
+        for dtype in SOURCE_DTYPES:
+            like = Unsaved(inner, base.shape, dtype, base.device, slot)
+            plan = _rotation(like, recent, locate) if dtype != base.dtype else None  # type: ignore[arg-type]
+            if plan is not None:
+                to = base.dtype
+                break
+    if plan is None:
+        return None
+    place, rotated = placed(saved, base), plan.fn
+
+    def fn(*values: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            out = rotated(*values)
+            return place(out if to is None else out.to(to))
+
+    return plan._replace(fn=fn)
+
+
+def _rotation(t: torch.Tensor, recent: list[Origin], locate: Locate) -> Derivation | None:
+    """:func:`rotary_output`'s plan for ``t`` itself (its values, in its shape)."""
+    chain = layout_chain(t, _is_rotation)
+    if chain is None:
         return None
     shape = torch.Size(chain.shape)  # the rotated tensor's
     edges = chain.start.next_functions  # type: ignore[attr-defined]
@@ -127,20 +160,22 @@ def rotary_output(
     else:
         return None
     (q_edge, cos_attr), sin_attr = plain, turned[1]
-    stand = Unsaved(q_edge[0], shape, base.dtype, base.device, q_edge[1])
-    linear = linear_output(stand, stand, recent)  # type: ignore[arg-type]
-    if linear is None:
-        return None
     c, s = locate(first, cos_attr), locate(second, sin_attr)
     if c is None or s is None or not _table(recent[c], shape) or not _table(recent[s], shape):
         return None
-    place, half, make_q = placed(saved, base), base.shape[-1] // 2, linear.fn
+    for dtype in dict.fromkeys((t.dtype, *SOURCE_DTYPES)):  # q's (autocast's: bf16)
+        stand = Unsaved(q_edge[0], shape, dtype, t.device, q_edge[1])
+        linear = linear_output(stand, stand, recent)  # type: ignore[arg-type]
+        if linear is not None:
+            break
+    else:
+        return None
+    half, make_q = shape[-1] // 2, linear.fn
 
     def fn(x_hat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            q = make_q(x_hat)
-            turned = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
-            return place(chain.replay(q * cos + turned * sin))
+        q = make_q(x_hat)
+        turned = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
+        return chain.replay(q * cos + turned * sin)
 
     def gain(
         x: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None
