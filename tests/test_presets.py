@@ -12,7 +12,7 @@ from hydra.utils import instantiate
 from torch_geometric.data import Data
 
 from recipes.config_schema import CONFIG_DIR, compose_config
-from recipes.models import BertClassifier, GNNClassifier, ResNetClassifier
+from recipes.models import BertClassifier, GNNClassifier, HFCausalLM, ResNetClassifier
 
 # preset -> (family's LightningModule, the fields it must set)
 PRESETS: dict[str, tuple[type, dict[str, Any]]] = {
@@ -35,15 +35,39 @@ PRESETS: dict[str, tuple[type, dict[str, Any]]] = {
     "gcn_256": (GNNClassifier, {"arch": "gcn", "num_layers": 3, "hidden_channels": 256}),
     "sage_256": (GNNClassifier, {"arch": "sage", "num_layers": 3, "hidden_channels": 256}),
     "gat_256": (GNNClassifier, {"arch": "gat", "num_layers": 3, "hidden_channels": 256}),
+    "gpt2_small": (
+        HFCausalLM,
+        {"arch": "gpt2", "num_layers": 12, "hidden_size": 768, "num_heads": 12},
+    ),
+    "llama_135m": (
+        HFCausalLM,
+        {
+            "arch": "llama",
+            "num_layers": 30,
+            "hidden_size": 576,
+            "num_heads": 9,
+            "num_kv_heads": 3,
+            "intermediate_size": 1536,
+        },
+    ),
 }
 
 # published parameter counts of the bodies in millions, within 3% (no classifier head;
-# BERT without its word embeddings and pooler, whose sizes follow the data's vocabulary)
-BODY_PARAMS_M = {"resnet18": 11.2, "resnet50": 23.5, "bert_base": 85.6, "bert_small": 12.9}
+# BERT without its word embeddings and pooler, whose sizes follow the data's vocabulary;
+# the language models without their token and position embeddings: GPT-2 small's 124.4M
+# less 38.6M and 0.8M, SmolLM-135M's 134.5M less 28.3M)
+BODY_PARAMS_M = {
+    "resnet18": 11.2,
+    "resnet50": 23.5,
+    "bert_base": 85.6,
+    "bert_small": 12.9,
+    "gpt2_small": 85.0,
+    "llama_135m": 106.2,
+}
 
 
 def test_every_preset_file_is_listed() -> None:
-    families = {"resnet", "bert", "gnn", "charlm"}
+    families = {"resnet", "bert", "gnn", "charlm", "causal_lm"}
     files = {p.stem for p in (CONFIG_DIR / "model").glob("*.yaml")} - families
     assert files == set(PRESETS)
 
@@ -54,6 +78,9 @@ def _tiny_input(module: torch.nn.Module) -> Any:
     if isinstance(module, BertClassifier):
         ids = torch.randint(0, module.hparams.vocab_size, (2, 128))
         return ids, torch.ones_like(ids), torch.zeros(2, dtype=torch.long)
+    if isinstance(module, HFCausalLM):
+        ids = torch.randint(0, module.num_classes, (2, 16))
+        return ids, ids
     x = torch.randn(6, module.hparams.in_channels)
     edges = torch.tensor([[0, 1, 2, 3, 4], [1, 2, 3, 4, 5]])
     mask = torch.ones(6, dtype=torch.bool)
@@ -74,7 +101,7 @@ def test_preset_composes_builds_and_runs(preset: str) -> None:
     assert torch.isfinite(logits).all()
     body = preset.removesuffix("_imagenet")
     if body in BODY_PARAMS_M:
-        skip = ("fc.", "classifier.", "word_embeddings", "pooler")
+        skip = (".fc.", "classifier.", "word_embeddings", "pooler", "wte", "wpe", "embed_tokens")
         n = sum(p.numel() for k, p in module.named_parameters() if not any(s in k for s in skip))
         assert n / 1e6 == pytest.approx(BODY_PARAMS_M[body], rel=0.03), n
 
