@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from recipes.models.classifier import Classifier
+from recipes.models.next_token import NextTokenClassifier, check_decoder_sizes
 
 __all__ = ["ARCHITECTURES", "HFCausalLM", "build_causal_lm"]
 
@@ -82,15 +82,12 @@ def build_causal_lm(
     return LlamaForCausalLM._from_config(config, attn_implementation=attn_implementation)
 
 
-class HFCausalLM(Classifier):
+class HFCausalLM(NextTokenClassifier):
     """A Hugging Face causal LM (``arch``: ``"gpt2"`` or ``"llama"``) trained to predict
-    the next token; batches are ``(inputs, targets)`` of shape ``(batch, seq)`` (the
-    char-LM recipe's data: ``data=pytext``).
-
-    Every position is one classification over the vocabulary, so :class:`Classifier`'s
-    metrics apply as they are: ``val/loss`` is the cross-entropy in nats per token. The
-    forward runs without a key/value cache (``use_cache=False``): training reads none,
-    and a cache written again when ``torch.utils.checkpoint`` reruns a block would grow.
+    the next token (:class:`~recipes.models.next_token.NextTokenClassifier`: batches
+    ``(inputs, targets)``, the char-LM recipe's data, ``data=pytext``). The forward runs
+    without a key/value cache (``use_cache=False``): training reads none, and a cache
+    written again when ``torch.utils.checkpoint`` reruns a block would grow.
 
     Args:
         num_classes: vocabulary size (from the data config).
@@ -142,32 +139,14 @@ class HFCausalLM(Classifier):
             raise ValueError(
                 f"attn_implementation={attn_implementation!r}; allowed values: ('sdpa', 'eager')"
             )
-        sizes = {
-            "max_seq_len": max_seq_len,
-            "hidden_size": hidden_size,
-            "num_layers": num_layers,
-            "num_heads": num_heads,
-            "num_kv_heads": num_kv_heads,
-            "intermediate_size": intermediate_size,
-        }
-        for name, value in sizes.items():
-            if value is not None and value < 1:
-                raise ValueError(f"{name}={value!r} must be >= 1")
-        if hidden_size % num_heads:
-            raise ValueError(
-                f"num_heads={num_heads} must divide hidden_size={hidden_size}; "
-                f"pick e.g. num_heads={max(1, hidden_size // 32)}"
-            )
-        if not 0 <= dropout < 1:
-            raise ValueError(f"dropout={dropout!r} must be in [0, 1)")
+        check_decoder_sizes(
+            hidden_size, num_heads, dropout, max_seq_len=max_seq_len, num_layers=num_layers,
+            num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
+        )  # fmt: skip
         self.net = build_causal_lm(
             arch, num_classes, max_seq_len, hidden_size, num_layers, num_heads,
             num_kv_heads, intermediate_size, dropout, attn_implementation,
         )  # fmt: skip
 
-    def logits_and_targets(
-        self, batch: tuple[torch.Tensor, torch.Tensor], stage: str
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs, targets = batch
-        logits = self.net(input_ids=inputs, use_cache=False).logits
-        return logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    def next_token_logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.net(input_ids=inputs, use_cache=False).logits

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from recipes.models.classifier import Classifier
+from recipes.models.next_token import NextTokenClassifier, check_decoder_sizes
 
 __all__ = ["CausalSelfAttention", "CharGPT", "CharLM"]
 
@@ -109,13 +109,10 @@ class CharGPT(nn.Module):
         return self.head(self.ln_f(self.blocks(x)))
 
 
-class CharLM(Classifier):
-    """A :class:`CharGPT` trained to predict the next character; batches are
-    ``(inputs, targets)`` of shape ``(batch, seq)``.
-
-    Every position is one classification over the vocabulary, so :class:`Classifier`'s
-    metrics apply as they are: ``val/loss`` is the cross-entropy in nats per character
-    and ``val/acc`` the share of next characters predicted exactly (torchmetrics).
+class CharLM(NextTokenClassifier):
+    """A :class:`CharGPT` trained to predict the next character
+    (:class:`~recipes.models.next_token.NextTokenClassifier`: batches ``(inputs,
+    targets)``, ``val/loss`` in nats per character).
 
     Args:
         num_classes: vocabulary size (from the data config).
@@ -150,22 +147,10 @@ class CharLM(Classifier):
     ) -> None:
         super().__init__(num_classes, **optim)  # type: ignore[arg-type]
         self.save_hyperparameters()
-        for name, value in (("max_seq_len", max_seq_len), ("hidden_size", hidden_size),
-                            ("num_layers", num_layers), ("num_heads", num_heads)):  # fmt: skip
-            if value < 1:
-                raise ValueError(f"{name}={value!r} must be >= 1")
-        if hidden_size % num_heads:
-            raise ValueError(
-                f"num_heads={num_heads} must divide hidden_size={hidden_size}; "
-                f"pick e.g. num_heads={max(1, hidden_size // 32)}"
-            )
-        if not 0 <= dropout < 1:
-            raise ValueError(f"dropout={dropout!r} must be in [0, 1)")
+        check_decoder_sizes(
+            hidden_size, num_heads, dropout, max_seq_len=max_seq_len, num_layers=num_layers
+        )
         self.net = CharGPT(num_classes, max_seq_len, hidden_size, num_layers, num_heads, dropout)
 
-    def logits_and_targets(
-        self, batch: tuple[torch.Tensor, torch.Tensor], stage: str
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs, targets = batch
-        logits = self.net(inputs)
-        return logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    def next_token_logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.net(inputs)
