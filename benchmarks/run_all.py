@@ -22,7 +22,8 @@ configurations x 3 recipes x 3 seeds, 10 epochs) about 15 min: about 45 minutes.
 the 2-core Intel Xeon (2026-11-28): promise about 5 min, margin (3 targets, each with
 promise's fits) about 17 min, and acgc_vs_fixed with its size presets about 19 min. On the
 AMD EPYC (2026-11-29): speed with 9 rounds about 44 min, fit_time (21 rounds) about
-15 min, margin with its 4 targets about 19 min (beside promise, 5 min).
+15 min, margin with its 4 targets about 19 min (beside promise, 5 min); on 2026-11-30
+causal_lm (GPT-2 small and SmolLM-135M dimensions, 3 rounds) 14 min.
 """
 
 from __future__ import annotations
