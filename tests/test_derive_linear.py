@@ -17,6 +17,7 @@ from tests.test_derive import (
     Deriving,
     acgc_after_calibration,
     assert_second_backward_and_freed_memory,
+    derived_matches_plain,
 )
 
 
@@ -283,3 +284,57 @@ def test_no_chain_of_products_runs_again():
     linear = {k for k, v in _linear_of(stats).items() if k != ":0"}  # (":0": the loss's)
     assert linear == {"1:0", "5:0"}
     assert stats.sites["3:0"].codec != "recomputed"
+
+
+class FusedAttention(nn.Module):
+    """One projection for q, k and v (GPT-2's ``c_attn``, a char-LM's ``qkv``), split in
+    three by ``unbind``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x * 1.0).view(4, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        p = torch.softmax(q @ k.transpose(-1, -2), dim=-1)
+        return self.out((p @ v).transpose(1, 2).reshape(4, 8, 16))
+
+
+class _Products(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the products ``addmm`` makes (a Linear's forward; its backward uses mm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten.addmm.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("low_peak", [False, True])
+def test_one_product_remade_for_the_three_parts_of_a_fused_projection(low_peak):
+    """q, k and v are three views of one product: remade once for the three, also with
+    ``low_peak`` (the input decoded again each time, to the same values)."""
+    torch.manual_seed(0)
+    model, x = FusedAttention(), _x(shape=(4, 8, 16))
+    plain, _ = _grads(model, x)
+    model.zero_grad()
+    x.grad = None
+    policy = Deriving(CodecSpec("quant", {"bits": 8}))
+    with compress_activations(model=model, policy=policy, low_peak=low_peak) as stats:
+        loss = model(x).square().mean()
+    assert sum(r.settings.startswith("linear of") for r in stats.sites.values()) == 3
+    with _Products() as products:
+        loss.backward()
+    assert products.count == 1
+    got = [p.grad for p in model.parameters()] + [x.grad]
+    flat_plain = torch.cat([g.reshape(-1) for g in plain])
+    flat_got = torch.cat([g.reshape(-1) for g in got])
+    assert (flat_got - flat_plain).norm() <= 0.05 * flat_plain.norm()
+
+
+def test_the_shared_product_gives_plain_gradients_bit_for_bit():
+    torch.manual_seed(0)
+    stats = derived_matches_plain(FusedAttention(), _x(shape=(4, 8, 16)))
+    assert sorted(_linear_of(stats).values()).count("qkv:0") == 3

@@ -26,6 +26,8 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from lightning_acgc.engine.derive_graph import (
@@ -115,19 +117,66 @@ def linear_output(
     view = placed(saved, base)
 
     unchanged = check_unchanged("a Linear's weight or bias", weight, bias)
+    shared = _Shared.of(node)
 
-    def fn(x_hat: torch.Tensor) -> torch.Tensor:
+    def product(x_hat: torch.Tensor) -> torch.Tensor:
         unchanged()
         with torch.no_grad():  # (the casts: autocast's, see used_param; else no-ops)
             w = factor.to(base.dtype)
             if bias is None:
                 y = torch.mm(x_hat, w)
-                y = y * alpha if alpha != 1.0 else y
-            else:
-                y = torch.addmm(bias.to(base.dtype), x_hat, w, beta=beta, alpha=alpha)
-            return view(chain.replay(y))
+                return y * alpha if alpha != 1.0 else y
+            return torch.addmm(bias.to(base.dtype), x_hat, w, beta=beta, alpha=alpha)
+
+    def fn(x_hat: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return view(chain.replay(shared.product(x_hat, product)))
 
     def gain(x: torch.Tensor | None) -> float:
         return linear_gain(factor.t(), alpha)
 
     return Derivation(fn, (found[0],), "linear", gain, multiplies=int(factor.shape[0]))
+
+
+class _Shared:
+    """One product made again for every tensor remade from it: a fused projection's
+    q, k and v (GPT-2's ``c_attn``, split in three) each remade the whole product, three
+    times the multiplies for one. Kept on the product's node (``metadata``, freed with
+    the graph) from the first unpack of the tensors remade from it to the last, with the
+    input it was made of; reused where the input's holder gives back the same values
+    (the same decoded tensor, or one decoded again: the same bytes decode alike; a NaN
+    never compares equal, so an input with one makes its product each time)."""
+
+    KEY = "lightning_acgc.remade_product"
+
+    def __init__(self) -> None:
+        self.users = 0
+        self.pending = 0
+        self.x_hat: torch.Tensor | None = None
+        self.y: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, node: object) -> _Shared:
+        """The node's record (made at the first plan of the step's graph), one more user."""
+        metadata = node.metadata  # type: ignore[attr-defined]
+        shared = metadata.setdefault(cls.KEY, cls())
+        shared.users += 1
+        shared.pending += 1
+        return shared
+
+    def product(
+        self, x_hat: torch.Tensor, make: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """``make(x_hat)``, or the product already made of this very tensor."""
+        same = self.x_hat is not None and (
+            self.x_hat is x_hat or torch.equal(self.x_hat, x_hat)  # (decoded again alike)
+        )
+        y = self.y if same else None
+        if y is None:
+            y = make(x_hat)
+            self.x_hat, self.y = x_hat, y
+        self.pending -= 1
+        if self.pending <= 0:  # the last user (or a second unpack): let go
+            self.x_hat = self.y = None
+            self.pending = self.users
+        return y
