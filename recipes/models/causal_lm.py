@@ -111,10 +111,10 @@ class HFCausalLM(NextTokenClassifier):
     Example:
         >>> module = HFCausalLM(num_classes=12, max_seq_len=8, arch="gpt2", hidden_size=16,
         ...                     num_layers=1, num_heads=2)
-        >>> x = torch.randint(0, 12, (3, 8))
-        >>> logits, y = module.logits_and_targets((x, x.roll(-1, 1)), "train")
-        >>> tuple(logits.shape), tuple(y.shape)
-        ((24, 12), (24,))
+        >>> module.next_token_logits(torch.randint(0, 12, (3, 8))).shape
+        torch.Size([3, 8, 12])
+        >>> type(module.net).__name__
+        'GPT2LMHeadModel'
     """
 
     def __init__(
