@@ -338,3 +338,24 @@ def test_the_shared_product_gives_plain_gradients_bit_for_bit():
     torch.manual_seed(0)
     stats = derived_matches_plain(FusedAttention(), _x(shape=(4, 8, 16)))
     assert sorted(_linear_of(stats).values()).count("qkv:0") == 3
+
+
+def test_a_shared_product_is_let_go_after_the_last_taken_plan_s_unpack():
+    """Only the plans the engine takes (``claim``) are waited for: a plan made and not
+    taken (its product blocked) does not keep the product alive to the end of backward."""
+    from lightning_acgc.engine.derive_linear import _Shared
+
+    lin = nn.Linear(4, 6)
+    x = torch.randn(3, 4, requires_grad=True) * 1.0
+    y = lin(x)
+    a, b = y.split(3, -1)
+    taken = [linear_output(t, y, [Origin.of(x)]) for t in (a, b)]
+    assert linear_output(a, y, [Origin.of(x)]) is not None  # made, not taken
+    for plan in taken:
+        plan.claim()
+    memo = y.grad_fn.metadata[_Shared.KEY]
+    x_hat = x.detach().clone()
+    torch.testing.assert_close(taken[0].fn(x_hat), a.detach())
+    assert memo.y is not None  # kept for b
+    torch.testing.assert_close(taken[1].fn(x_hat), b.detach())
+    assert memo.y is None

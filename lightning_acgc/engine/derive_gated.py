@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from lightning_acgc.engine.derive_dropout import MUL_NODE
-from lightning_acgc.engine.derive_graph import Derivation, Origin, find, placed
+from lightning_acgc.engine.derive_graph import Derivation, Origin, find, mean_square, placed
 
 __all__ = ["gated", "gated_output"]
 
@@ -57,24 +57,13 @@ def gated_output(
             with torch.no_grad():
                 return place(a * a)
 
-        return Derivation(square, (i,), "product", lambda a: 4 * _mean_square(a))
+        return Derivation(square, (i,), "product", lambda a: 4 * mean_square(a))
 
     def fn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return place(a * b)
 
     def gain(a: torch.Tensor | None, b: torch.Tensor | None) -> tuple[float, float]:
-        return _mean_square(b), _mean_square(a)
+        return mean_square(b), mean_square(a)
 
     return Derivation(fn, (i, j), "product", gain, roots=(0, 1))
-
-
-def _mean_square(t: torch.Tensor | None) -> float:
-    """mean(t²) over its finite values (1.0 where it is not at hand or none is)."""
-    if t is None:
-        return 1.0
-    with torch.no_grad():  # (on an evenly spaced sample of at most 65536 values)
-        flat = t.detach().reshape(-1)
-        values = flat[:: max(1, flat.numel() // 65536)].double()
-        values = values[torch.isfinite(values)]
-        return float(values.square().mean()) if values.numel() else 1.0

@@ -18,6 +18,7 @@ __all__ = [
     "check_unchanged",
     "dense_order",
     "find",
+    "mean_square",
     "placed",
     "used_param",
 ]
@@ -71,7 +72,9 @@ class Derivation(NamedTuple):
     is its fan-in, 0 for what is not a product) is made only from sources stored or
     remade from stored ones, so that no unpack runs a chain of products back to the
     network's first stored tensor (and holds every tensor on the way at once); which
-    products are remade where one blocks another: :mod:`~.product_choice`."""
+    products are remade where one blocks another: :mod:`~.product_choice`. ``claim``,
+    where given, is called once the engine takes the plan (a product shared by the
+    tensors remade from it counts the unpacks to wait for)."""
 
     fn: Callable[..., torch.Tensor]
     sources: tuple[int, ...]
@@ -81,6 +84,7 @@ class Derivation(NamedTuple):
     roots: tuple[int, ...] = (0,)
     stored: tuple[int, ...] = ()
     multiplies: int = 0
+    claim: Callable[[], None] | None = None
 
 
 def placed(saved: torch.Tensor, base: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -122,6 +126,23 @@ def dense_order(t: torch.Tensor) -> tuple[int, ...] | None:
     """
     order = tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
     return order if t.permute(order).is_contiguous() else None
+
+
+def mean_square(t: torch.Tensor | None) -> float:
+    """mean(t²) over the finite values of an evenly spaced sample of at most 65536 of
+    ``t``'s (a gain's factor); 1.0 where ``t`` is not at hand or none is finite.
+
+    Example:
+        >>> mean_square(torch.tensor([1.0, 3.0, float("nan")])), mean_square(None)
+        (5.0, 1.0)
+    """
+    if t is None:
+        return 1.0
+    with torch.no_grad():
+        flat = t.detach().reshape(-1)
+        values = flat[:: max(1, flat.numel() // 65536)].double()
+        values = values[torch.isfinite(values)]
+        return float(values.square().mean()) if values.numel() else 1.0
 
 
 def find(recent: list[Origin], edge: tuple[object, int], base: torch.Tensor) -> int | None:

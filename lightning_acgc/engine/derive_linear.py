@@ -81,12 +81,13 @@ def linear_gain(weight: torch.Tensor, alpha: float = 1.0) -> float:
 
 
 def linear_output(
-    saved: torch.Tensor, base: torch.Tensor, recent: list[Origin]
+    saved: torch.Tensor, base: torch.Tensor, recent: list[Origin], shared: bool = True
 ) -> Derivation | None:
     """How to remake ``saved`` (a view of ``base``, a Linear's product after layout
     ops) from the Linear's input among ``recent``; None where it is not one, the input
     is not there, the weight is not a parameter (used as it is or cast by autocast) or
-    the bias is computed."""
+    the bias is computed. ``shared``: the product made once for every tensor remade
+    from it (:class:`_Shared`; else each call makes its own: a gain's reading)."""
     chain = layout_chain(base, _is_product)
     if chain is None:
         return None
@@ -117,7 +118,7 @@ def linear_output(
     view = placed(saved, base)
 
     unchanged = check_unchanged("a Linear's weight or bias", weight, bias)
-    shared = _Shared.of(node)
+    memo = _Shared.of(node) if shared else None
 
     def product(x_hat: torch.Tensor) -> torch.Tensor:
         unchanged()
@@ -130,22 +131,25 @@ def linear_output(
 
     def fn(x_hat: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            return view(chain.replay(shared.product(x_hat, product)))
+            y = product(x_hat) if memo is None else memo.product(x_hat, product)
+            return view(chain.replay(y))
 
     def gain(x: torch.Tensor | None) -> float:
         return linear_gain(factor.t(), alpha)
 
-    return Derivation(fn, (found[0],), "linear", gain, multiplies=int(factor.shape[0]))
+    claim = None if memo is None else memo.claim
+    return Derivation(fn, (found[0],), "linear", gain, multiplies=int(factor.shape[0]), claim=claim)
 
 
 class _Shared:
     """One product made again for every tensor remade from it: a fused projection's
     q, k and v (GPT-2's ``c_attn``, split in three) each remade the whole product, three
     times the multiplies for one. Kept on the product's node (``metadata``, freed with
-    the graph) from the first unpack of the tensors remade from it to the last, with the
-    input it was made of; reused where the input's holder gives back the same values
-    (the same decoded tensor, or one decoded again: the same bytes decode alike; a NaN
-    never compares equal, so an input with one makes its product each time)."""
+    the graph) from the first unpack of the tensors remade from it to the last (one for
+    each plan the engine took: :meth:`claim`), with the input it was made of; reused
+    where the input's holder gives back the same values (the same decoded tensor, or one
+    decoded again: the same bytes decode alike; a NaN never compares equal, so an input
+    with one makes its product each time)."""
 
     KEY = "lightning_acgc.remade_product"
 
@@ -157,12 +161,13 @@ class _Shared:
 
     @classmethod
     def of(cls, node: object) -> _Shared:
-        """The node's record (made at the first plan of the step's graph), one more user."""
-        metadata = node.metadata  # type: ignore[attr-defined]
-        shared = metadata.setdefault(cls.KEY, cls())
-        shared.users += 1
-        shared.pending += 1
-        return shared
+        """The node's record (made at the first plan of the step's graph)."""
+        return node.metadata.setdefault(cls.KEY, cls())  # type: ignore[attr-defined]
+
+    def claim(self) -> None:
+        """One more tensor remade from the product (its plan taken by the engine)."""
+        self.users += 1
+        self.pending += 1
 
     def product(
         self, x_hat: torch.Tensor, make: Callable[[torch.Tensor], torch.Tensor]

@@ -42,7 +42,13 @@ import torch
 from lightning_acgc.engine.derive_batch_norm import ADD_NODE
 from lightning_acgc.engine.derive_cast import CAST_NODE, SOURCE_DTYPES, Unsaved
 from lightning_acgc.engine.derive_dropout import MUL_NODE
-from lightning_acgc.engine.derive_graph import Derivation, Origin, dense_order, placed
+from lightning_acgc.engine.derive_graph import (
+    Derivation,
+    Origin,
+    dense_order,
+    mean_square,
+    placed,
+)
 from lightning_acgc.engine.derive_linear import linear_output
 from lightning_acgc.engine.layout_chain import layout_chain, node_int
 
@@ -180,15 +186,20 @@ def _rotation(t: torch.Tensor, recent: list[Origin], locate: Locate) -> Derivati
     def gain(
         x: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None
     ) -> tuple[float, float, float]:
-        turn = 1.0 if cos is None or sin is None else _mean_square(cos) + _mean_square(sin)
+        turn = 1.0 if cos is None or sin is None else mean_square(cos) + mean_square(sin)
         through = float(linear.gain(x)) * turn  # type: ignore[arg-type]
-        q_square = 1.0 if x is None else _mean_square(make_q(x))
+        if x is None:
+            return through, 1.0, 1.0
+        # (q made apart from the product the unpacks share: a reading is no unpack)
+        alone = linear_output(stand, stand, recent, shared=False)
+        q_square = mean_square(alone.fn(x)) if alone is not None else 1.0
         return through, q_square, q_square
 
     sources = (linear.sources[0], c, s)
     return Derivation(
-        fn, sources, "rotary of linear", gain, roots=(0, 1, 2), multiplies=linear.multiplies
-    )
+        fn, sources, "rotary of linear", gain, roots=(0, 1, 2),
+        multiplies=linear.multiplies, claim=linear.claim,
+    )  # fmt: skip
 
 
 def _table(origin: Origin, shape: torch.Size) -> bool:
@@ -199,11 +210,3 @@ def _table(origin: Origin, shape: torch.Size) -> bool:
         return torch.broadcast_shapes(origin.shape, shape) == shape
     except RuntimeError:
         return False
-
-
-def _mean_square(t: torch.Tensor) -> float:
-    with torch.no_grad():
-        flat = t.detach().reshape(-1)
-        values = flat[:: max(1, flat.numel() // 65536)].double()
-        values = values[torch.isfinite(values)]
-        return float(values.square().mean()) if values.numel() else 1.0

@@ -144,7 +144,10 @@ class Recomputing:
         # a view of one saved (its storage saved before: ``raw`` 0), or a cast of one?
         viewed = t._base is not None and raw == 0
         another = viewed or is_cast(t)
-        rotated = rotary(t if t._base is None else t._base)  # a rotated query or key?
+        # a rotated query or key? (a product remade: not where products are stored)
+        rotated = (
+            self.remake_products and not derivable and rotary(t if t._base is None else t._base)
+        )
         candidate = derivable or another or rotated
         if not candidate and not replays.candidate(site.module, t):
             return None
@@ -157,7 +160,7 @@ class Recomputing:
         plan = replays.plan(site.module, site.ordinal, t, origins)
         if plan is None and derivable:
             plan = derive.derive_plan(t, origins, self._locator(recent), self.remake_products)
-        if plan is None and rotated and self.remake_products:  # (derive_rotary)
+        if plan is None and rotated:  # (derive_rotary)
             base = t if t._base is None else t._base
             plan = rotary_output(t, base, origins, self._locator(recent, exact=False))
         if plan is None and viewed:  # another view of one saved (derive_view)
@@ -177,6 +180,8 @@ class Recomputing:
             return None
         if plan.multiplies and not self._product_allowed(site.key, t, plan.multiplies, sources):
             return None
+        if plan.claim is not None:
+            plan.claim()
         roots = [sources[k] for k in plan.roots]
         of = ", ".join(r.site if isinstance(r, Saved) else "its input" for r in roots)
         bits = [] if plan.kept is None else [plan.kept]  # a mask: 1 bit a value
