@@ -6,7 +6,7 @@ from typing import Any
 
 from benchmarks._tables import FIT_TIME_BAR, _name
 
-__all__ = ["fit_time_bars", "fit_time_table"]
+__all__ = ["fit_time_bars", "fit_time_table", "with_earlier_models"]
 
 
 def fit_time_table(result: dict[str, Any] | None) -> list[str]:
@@ -19,8 +19,8 @@ def fit_time_table(result: dict[str, Any] | None) -> list[str]:
         ...        "fit_1000_vs_plain": 1.24}
         >>> model = {"description": "BERT 12x768", "optimizer": "AdamW",
         ...          "plain": {"step_s": 2.2, "grad_s": 1.8, "optimizer_s": 0.4}, "acgc": row}
-        >>> fit_time_table({"rounds": 21, "models": {"bert_base": model}})[2].split(" | ")[1:]
-        ['AdamW', '2.20 s (1.80 + 0.40)', '1.24x', '1.20x', '9.10 s', '1.23x', '+20.0 s', '1.24x |']
+        >>> fit_time_table({"commit": "abc", "models": {"bert_base": model}})[2].split(" | ")[2:]
+        ['2.20 s (1.80 + 0.40)', '1.24x', '1.20x', '9.10 s', '1.23x', '+20.0 s', '1.24x', 'abc |']
     """
     if not result:
         return []
@@ -29,8 +29,8 @@ def fit_time_table(result: dict[str, Any] | None) -> list[str]:
         "| model | optimizer | plain step (forward + backward + optimizer) | acgc: forward + "
         "backward vs plain | whole step vs plain | calibration step | fit vs plain, one "
         f"calibration per {every} steps | first three calibrations, one-time | fit of "
-        "1,000 steps vs plain |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "1,000 steps vs plain | commit |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for info in result["models"].values():
         p, a = info["plain"], info["acgc"]
@@ -39,9 +39,29 @@ def fit_time_table(result: dict[str, Any] | None) -> list[str]:
             f"({p['grad_s']:.2f} + {p['optimizer_s']:.2f}) | {a['grad_vs_plain']:.2f}x | "
             f"{a['step_vs_plain']:.2f}x | {a['calibration_step_s']:.2f} s | "
             f"{a['fit_vs_plain']:.2f}x | +{a['first_calibrations_extra_s']:.1f} s | "
-            f"{a['fit_1000_vs_plain']:.2f}x |"
+            f"{a['fit_1000_vs_plain']:.2f}x | {info.get('commit', result.get('commit'))} |"
         )
     return rows
+
+
+def with_earlier_models(earlier: dict[str, Any] | None, newer: dict[str, Any]) -> dict[str, Any]:
+    """``newer``'s line, with the models only ``earlier`` measured carried over before its
+    own, each model naming the commit it was measured at (a run of some models leaves the
+    others' rows standing; each row's two configurations still come from one run).
+
+    Example:
+        >>> old = {"commit": "a1", "models": {"bert": {}, "gcn": {}}}
+        >>> new = with_earlier_models(old, {"commit": "b2", "models": {"gcn": {}, "llama": {}}})
+        >>> {m: info["commit"] for m, info in new["models"].items()}
+        {'bert': 'a1', 'gcn': 'b2', 'llama': 'b2'}
+    """
+    carried = {
+        m: {**info, "commit": info.get("commit", earlier.get("commit"))}
+        for m, info in (earlier or {}).get("models", {}).items()
+        if m not in newer["models"]
+    }
+    own = {m: {**info, "commit": newer.get("commit")} for m, info in newer["models"].items()}
+    return {**newer, "models": {**carried, **own}}
 
 
 def fit_time_bars(result: dict[str, Any] | None) -> tuple[list[str], list[str]]:

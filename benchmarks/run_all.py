@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks._fit_tables import with_earlier_models
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 BENCHMARKS = (
@@ -88,11 +90,19 @@ def device_kind(result: dict[str, Any]) -> str:
 
 def store(result: dict[str, Any], results: Path = RESULTS) -> Path:
     """Write ``result`` to its benchmark's file, replacing the line of the same mode and
-    device kind (CPU and GPU lines of one mode are kept side by side)."""
+    device kind (CPU and GPU lines of one mode are kept side by side). A ``fit_time`` run
+    of some models keeps the replaced line's other models (:func:`with_earlier_models`)."""
     results.mkdir(parents=True, exist_ok=True)
     path = results / f"{result['benchmark']}.jsonl"
     key = (result.get("mode"), device_kind(result))
-    kept = [r for r in read_results(path) if (r.get("mode"), device_kind(r)) != key]
+    kept, replaced = [], None
+    for r in read_results(path):
+        if (r.get("mode"), device_kind(r)) == key:
+            replaced = r
+        else:
+            kept.append(r)
+    if result["benchmark"] == "fit_time":
+        result = with_earlier_models(replaced, result)
     lines = [json.dumps(r) for r in [*kept, result]]
     path.write_text("\n".join(lines) + "\n")
     return path

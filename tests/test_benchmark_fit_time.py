@@ -4,6 +4,7 @@ fit-time bar reads its full-size CPU line only."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -52,3 +53,24 @@ def test_the_table_and_bar_read_the_fit_ratio(quick_gnn: dict) -> None:
     assert not short and "1.30x plain" in met[0]
     full["machine"]["device"] = "cuda:0"
     assert fit_time_bars(full) == ([], [])  # the bar is a CPU one
+
+
+def test_a_run_of_some_models_leaves_the_others_rows_standing(tmp_path: Path) -> None:
+    """Storing a full line of some models keeps the replaced line's other models first,
+    each row with its own commit; a quick line stays apart."""
+    from benchmarks.run_all import read_results, store
+
+    def line(mode: str, commit: str, models: list[str]) -> dict[str, Any]:
+        info = {"plain": {}, "acgc": {"fit_vs_plain": 1.2}}
+        return {"benchmark": "fit_time", "mode": mode, "commit": commit,
+                "machine": {"device": "cpu"}, "models": {m: info for m in models}}  # fmt: skip
+
+    store(line("full", "a1", ["resnet18", "bert_base"]), tmp_path)
+    store(line("quick", "q1", ["gnn"]), tmp_path)
+    store(line("full", "b2", ["bert_base", "llama_135m"]), tmp_path)
+    store(line("full", "c3", ["gcn_256"]), tmp_path)
+    quick, full = read_results(tmp_path / "fit_time.jsonl")
+    assert full["commit"] == "c3" and list(quick["models"]) == ["gnn"]
+    commits = {m: info["commit"] for m, info in full["models"].items()}
+    assert commits == {"resnet18": "a1", "bert_base": "b2", "llama_135m": "b2", "gcn_256": "c3"}
+    assert list(commits) == ["resnet18", "bert_base", "llama_135m", "gcn_256"]
