@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 import torch
 
 from lightning_acgc.engine import derive, exact, extremum, sites
+from lightning_acgc.engine.derive_attention import attention_output, fused_attention
 from lightning_acgc.engine.derive_graph import check_unchanged, placed
 from lightning_acgc.engine.derive_rotary import rotary, rotary_output
 from lightning_acgc.engine.derive_view import cast_plan, is_cast, view_plan
@@ -145,10 +146,11 @@ class Recomputing:
         viewed = t._base is not None and raw == 0
         another = viewed or is_cast(t)
         # a rotated query or key? (a product remade: not where products are stored)
-        rotated = (
-            self.remake_products and not derivable and rotary(t if t._base is None else t._base)
-        )
-        candidate = derivable or another or rotated
+        base = t if t._base is None else t._base
+        rotated = self.remake_products and not derivable and rotary(base)
+        # a fused attention's output (derive_attention; a view of one saved: derive_view)
+        attended = self.remake_products and not viewed and fused_attention(base)
+        candidate = derivable or another or rotated or attended
         if not candidate and not replays.candidate(site.module, t):
             return None
         if site.outside_every_module and not self.compress_loss:
@@ -161,8 +163,9 @@ class Recomputing:
         if plan is None and derivable:
             plan = derive.derive_plan(t, origins, self._locator(recent), self.remake_products)
         if plan is None and rotated:  # (derive_rotary)
-            base = t if t._base is None else t._base
             plan = rotary_output(t, base, origins, self._locator(recent, exact=False))
+        if plan is None and attended:  # (derive_attention)
+            plan = attention_output(t, base, origins, self._finder(recent))
         if plan is None and viewed:  # another view of one saved (derive_view)
 
             def current(i: int, u: torch.Tensor) -> bool:  # u packed at this version
@@ -178,6 +181,8 @@ class Recomputing:
         sources = [entry.source() for entry in entries]
         if any(s is None for s in sources) or any(_remade(sources[k]) for k in plan.stored):
             return None
+        if attended and any(_depth(s) > ATTENTION_DEPTH for s in sources):
+            return None  # (no unpack runs a chain of attentions back through the model)
         if plan.multiplies and not self._product_allowed(site.key, t, plan.multiplies, sources):
             return None
         if plan.claim is not None:
@@ -214,19 +219,30 @@ class Recomputing:
         asked which holder it keeps (the unpack hook, while ``_peeking``, only notes the
         holder it is given), so no order of saves is assumed."""
 
+        find = self._finder(recent)
+
         def locate(node: object, attr: str) -> int | None:
+            return find(node, attr, exact)[1]
+
+        return locate
+
+    def _finder(self, recent: list[Recent]) -> Any:
+        """``find(node, attr, exact)``: whether ``node`` saved a tensor as ``attr`` (not
+        None), and :meth:`_locator`'s position of its holder."""
+
+        def find(node: object, attr: str, exact: bool) -> tuple[bool, int | None]:
             self._peeking = []
             try:
                 getattr(node, attr)
             except RuntimeError:  # not saved (or freed)
-                return None
+                return True, None
             finally:
                 held, self._peeking = self._peeking, None
             if len(held) != 1 or (exact and not _exact(held[0])):
-                return None
-            return next((i for i, e in enumerate(recent) if e.source() is held[0]), None)
+                return bool(held), None
+            return True, next((i for i, e in enumerate(recent) if e.source() is held[0]), None)
 
-        return locate
+        return find
 
     def _product_allowed(
         self, key: str, t: torch.Tensor, multiplies: int, sources: list[Saved | torch.Tensor]
@@ -263,6 +279,9 @@ class Recomputing:
 
 # on measuring steps the last saves are held as they are (for their gains), no more
 STRONG_WINDOW = 8
+# the deepest remaking an attention's output is remade from: a rotated query of a
+# projection of a norm's output run again (Llama's), a view of a product (GPT-2's split)
+ATTENTION_DEPTH = 3
 
 
 def _layout(u: torch.Tensor) -> tuple:
@@ -282,6 +301,14 @@ def _exact(held: object) -> bool:
     if held.recompute is not None or held.chunk is not None:
         return False
     return held.raw is not None or held.name == "mask"
+
+
+def _depth(source: Saved | torch.Tensor) -> int:
+    """How many remakings deep ``source`` is: 0 for a stored tensor, 1 for one remade from
+    stored ones, ..."""
+    if not _remade(source):
+        return 0
+    return 1 + max((_depth(s) for s in source.sources), default=0)  # type: ignore[union-attr]
 
 
 def _remade_twice(source: Saved | torch.Tensor) -> bool:
