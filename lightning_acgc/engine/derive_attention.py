@@ -47,7 +47,8 @@ ATTENTION_NODE = "ScaledDotProductFlashAttentionForCpuBackward0"
 # (node, attr, exact) -> (whether the node saved a tensor there, the position in ``recent``
 # of its holder where that holder gives the values back; ``exact``: exactly)
 Find = Callable[[object, str, bool], "tuple[bool, int | None]"]
-# the perturbation a gain is measured with, relative to the root's root mean square
+# the perturbation a gain is measured with, relative to the root's root mean square (to
+# 1 for a root of zeros)
 PROBE_SCALE = 1e-3
 
 
@@ -110,7 +111,8 @@ def _gains(
         out = []
         for r in range(3):
             x = wide[r]
-            sigma = PROBE_SCALE * max(float(x.double().square().mean().sqrt()), 1e-12)
+            rms = float(x.double().square().mean().sqrt())
+            sigma = PROBE_SCALE * (rms if rms > 0 else 1.0)  # (a root of zeros: absolute)
             noise = torch.randn(x.shape, generator=generator, device=x.device) * sigma
             moved = attend(*wide[:r], x + noise, *wide[r + 1 :])
             change = (moved - exact).double().square().reshape(-1)
