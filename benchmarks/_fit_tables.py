@@ -6,7 +6,7 @@ from typing import Any
 
 from benchmarks._tables import FIT_TIME_BAR, _name
 
-__all__ = ["fit_time_bars", "fit_time_table", "with_earlier_models"]
+__all__ = ["fit_time_bars", "fit_time_table"]
 
 
 def fit_time_table(result: dict[str, Any] | None) -> list[str]:
@@ -42,26 +42,6 @@ def fit_time_table(result: dict[str, Any] | None) -> list[str]:
             f"{a['fit_1000_vs_plain']:.2f}x | {info.get('commit', result.get('commit'))} |"
         )
     return rows
-
-
-def with_earlier_models(earlier: dict[str, Any] | None, newer: dict[str, Any]) -> dict[str, Any]:
-    """``newer``'s line, with the models only ``earlier`` measured carried over before its
-    own, each model naming the commit it was measured at (a run of some models leaves the
-    others' rows standing; each row's two configurations still come from one run).
-
-    Example:
-        >>> old = {"commit": "a1", "models": {"bert": {}, "gcn": {}}}
-        >>> new = with_earlier_models(old, {"commit": "b2", "models": {"gcn": {}, "llama": {}}})
-        >>> {m: info["commit"] for m, info in new["models"].items()}
-        {'bert': 'a1', 'gcn': 'b2', 'llama': 'b2'}
-    """
-    carried = {
-        m: {**info, "commit": info.get("commit", earlier.get("commit"))}
-        for m, info in (earlier or {}).get("models", {}).items()
-        if m not in newer["models"]
-    }
-    own = {m: {**info, "commit": newer.get("commit")} for m, info in newer["models"].items()}
-    return {**newer, "models": {**carried, **own}}
 
 
 def fit_time_bars(result: dict[str, Any] | None) -> tuple[list[str], list[str]]:

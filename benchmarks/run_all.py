@@ -37,8 +37,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._fit_tables import with_earlier_models
-
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 BENCHMARKS = (
@@ -106,6 +104,26 @@ def store(result: dict[str, Any], results: Path = RESULTS) -> Path:
     lines = [json.dumps(r) for r in [*kept, result]]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def with_earlier_models(earlier: dict[str, Any] | None, newer: dict[str, Any]) -> dict[str, Any]:
+    """``newer``'s line, with the models only ``earlier`` measured carried over before its
+    own, each model naming the commit it was measured at (a run of some models leaves the
+    others' rows standing; each row's two configurations still come from one run).
+
+    Example:
+        >>> old = {"commit": "a1", "models": {"bert": {}, "gcn": {}}}
+        >>> new = with_earlier_models(old, {"commit": "b2", "models": {"gcn": {}, "llama": {}}})
+        >>> {m: info["commit"] for m, info in new["models"].items()}
+        {'bert': 'a1', 'gcn': 'b2', 'llama': 'b2'}
+    """
+    carried = {
+        m: {**info, "commit": info.get("commit", earlier.get("commit"))}
+        for m, info in (earlier or {}).get("models", {}).items()
+        if m not in newer["models"]
+    }
+    own = {m: {**info, "commit": newer.get("commit")} for m, info in newer["models"].items()}
+    return {**newer, "models": {**carried, **own}}
 
 
 def run(name: str, options: list[str]) -> tuple[dict[str, Any] | None, float, str]:

@@ -52,6 +52,20 @@ __all__ = [
 
 PLAIN = "compression=none"
 
+
+def _decoder(arch: str, windows: int) -> list[str]:
+    """A sweep recipe of ``model=causal_lm``: 4 x 64, the char-LM's text at seq 64, batch
+    32, one epoch of ``windows`` windows (``windows / 32`` AdamW steps)."""
+    return [
+        "model=causal_lm",
+        arch,
+        "model.hidden_size=64",
+        "data.seq_len=64",
+        f"data.num_windows={windows}",
+        "trainer.max_epochs=1",
+    ]
+
+
 # Hydra overrides of each recipe in the sweep: small enough for about a minute per plain
 # run on one shared CPU core, large enough to train to a meaningful loss.
 RECIPES: dict[str, list[str]] = {
@@ -65,32 +79,11 @@ RECIPES: dict[str, list[str]] = {
     ],
     # Hugging Face decoders of the same width and data (model=causal_lm: fused attention),
     # 250 steps: at 125 some seeds still sit on the plateau of single-character guesses
-    "llama": [
-        "model=causal_lm",
-        "model.hidden_size=64",
-        "model.num_kv_heads=2",
-        "data.seq_len=64",
-        "data.num_windows=8000",
-        "trainer.max_epochs=1",
-    ],
-    "gpt2": [
-        "model=causal_lm",
-        "model.arch=gpt2",
-        "model.hidden_size=64",
-        "data.seq_len=64",
-        "data.num_windows=8000",
-        "trainer.max_epochs=1",
-    ],
+    "llama": _decoder("model.num_kv_heads=2", windows=8000),
+    "gpt2": _decoder("model.arch=gpt2", windows=8000),
     # the same, 500 steps: seeds still leave the plateau at 250 at times that move with
     # any rounding (plain's seed 3 ended at 2.94 at commit 31392b1, 2.46 at 42872bd)
-    "gpt2_long": [
-        "model=causal_lm",
-        "model.arch=gpt2",
-        "model.hidden_size=64",
-        "data.seq_len=64",
-        "data.num_windows=16000",
-        "trainer.max_epochs=1",
-    ],
+    "gpt2_long": _decoder("model.arch=gpt2", windows=16000),
     # ResNet-18 at width 1/8 on digits, batch 64, 3 epochs (as experiment=compare_digits)
     "resnet": ["model=resnet", "model.width=0.125", "trainer.max_epochs=3"],
     # BERT 2 x 64 on the generated marker-order task, 3000 sequences, 3 epochs

@@ -12,7 +12,6 @@ from lightning_acgc import compress_activations
 from lightning_acgc.codecs.spec import CodecSpec
 from lightning_acgc.engine import recompute
 from lightning_acgc.engine.derive_attention import attention_output
-from lightning_acgc.engine.derive_graph import Origin
 from tests.test_derive import Deriving, derived_matches_plain
 from tests.test_derive_rotary import RotaryAttention
 
@@ -93,19 +92,18 @@ def test_a_mask_that_would_not_unpack_exactly_is_not_a_source():
     q, k, v = (torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3))
     mask = torch.zeros(8, 8)
     out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    recent = [Origin.of(u) for u in (q, k, v, mask)]
     exact = {"_saved_query": 0, "_saved_key": 1, "_saved_value": 2, "_saved_attn_mask": 3}
 
     def find(node, attr, want_exact):
         lossy = attr == "_saved_attn_mask" and want_exact
         return True, None if lossy else exact[attr]
 
-    assert attention_output(out, out, recent, find) is None
+    assert attention_output(out, out, find) is None
 
     def find_exact(node, attr, want_exact):
         return True, exact[attr]
 
-    plan = attention_output(out, out, recent, find_exact)
+    plan = attention_output(out, out, find_exact)
     assert plan is not None and plan.sources == (0, 1, 2, 3) and plan.roots == (0, 1, 2)
 
 
@@ -125,7 +123,7 @@ def test_gains_in_closed_form():
     def find(node, attr, exact):
         return (attr in holders), holders.get(attr)
 
-    plan = attention_output(out, out, [Origin.of(u) for u in (q, k, v)], find)
+    plan = attention_output(out, out, find)
     g_q, g_k, g_v = plan.gain(q, k, v)
     expected_v = sum(1 / n for n in range(1, t + 1)) / t
     assert g_q == pytest.approx(0.0, abs=1e-6)

@@ -22,13 +22,11 @@ A mask, where the attention has one, must give its values back exactly; with dro
 cuDNN) keep other tensors: their outputs are stored as before.
 
 Example:
-    >>> from lightning_acgc.engine.derive_graph import Origin
     >>> q, k, v = (torch.randn(2, 4, 8, 16, requires_grad=True) for _ in range(3))
     >>> out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     >>> holders = {"_saved_query": (True, 0), "_saved_key": (True, 1),
     ...            "_saved_value": (True, 2), "_saved_attn_mask": (False, None)}
-    >>> plan = attention_output(out, out, [Origin.of(u) for u in (q, k, v)],
-    ...                         lambda node, attr, exact: holders[attr])
+    >>> plan = attention_output(out, out, lambda node, attr, exact: holders[attr])
     >>> plan.name, plan.sources, torch.equal(plan.fn(q, k, v), out.detach())
     ('attention', (0, 1, 2), True)
 """
@@ -39,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_acgc.engine.derive_graph import Derivation, Origin, dense_order, placed
+from lightning_acgc.engine.derive_graph import Derivation, dense_order, mean_square, placed
 
 __all__ = ["ATTENTION_NODE", "attention_output", "fused_attention"]
 
@@ -47,6 +45,10 @@ ATTENTION_NODE = "ScaledDotProductFlashAttentionForCpuBackward0"
 # (node, attr, exact) -> (whether the node saved a tensor there, the position in ``recent``
 # of its holder where that holder gives the values back; ``exact``: exactly)
 Find = Callable[[object, str, bool], "tuple[bool, int | None]"]
+# the deepest remaking the sources may be (Derivation.max_depth): a rotated query of a
+# projection of a norm's output run again (Llama's), a view of a product (GPT-2's split);
+# no unpack runs a chain of attentions back through the model
+MAX_DEPTH = 3
 # the perturbation a gain is measured with, relative to the root's root mean square (to
 # 1 for a root of zeros)
 PROBE_SCALE = 1e-3
@@ -57,13 +59,11 @@ def fused_attention(base: torch.Tensor) -> bool:
     return type(base.grad_fn).__name__ == ATTENTION_NODE and base.output_nr == 0
 
 
-def attention_output(
-    saved: torch.Tensor, base: torch.Tensor, recent: list[Origin], find: Find
-) -> Derivation | None:
+def attention_output(saved: torch.Tensor, base: torch.Tensor, find: Find) -> Derivation | None:
     """How to remake ``saved`` (a view of ``base``, the fused attention's output) from the
-    holders of the attention's query, key and value in ``recent`` (and of its mask, one
-    that unpacks exactly); None where one is not there, the attention drew dropout, or
-    ``base`` is not laid out densely."""
+    holders of the attention's query, key and value (and of its mask, one that unpacks
+    exactly) that ``find`` gives; None where one is not there, the attention drew
+    dropout, or ``base`` is not laid out densely."""
     node = base.grad_fn
     if not fused_attention(base) or float(node._saved_dropout_p) != 0.0:  # type: ignore[union-attr]
         return None
@@ -73,8 +73,6 @@ def attention_output(
     has_mask, mask_at = find(node, "_saved_attn_mask", True)
     positions = [i for _, i in found]
     if any(i is None for i in positions) or (has_mask and mask_at is None):
-        return None
-    if any(not recent[i].dtype.is_floating_point for i in positions):  # type: ignore[index]
         return None
     causal, scale = bool(node._saved_is_causal), node._saved_scale  # type: ignore[union-attr]
     scale = None if scale is None else float(scale)
@@ -91,12 +89,19 @@ def attention_output(
             return place(attend(*values))
 
     def gain(*values: torch.Tensor | None) -> tuple[float, float, float]:
-        if any(v is None for v in values[:3]):
+        if any(v is None for v in values):  # (a mask packed losslessly: not at hand)
             return 1.0, 1.0, 1.0
         return _gains(attend, values)  # type: ignore[arg-type]
 
     sources = (*positions, *([mask_at] if has_mask else []))
-    return Derivation(fn, sources, "attention", gain, roots=(0, 1, 2))  # type: ignore[arg-type]
+    return Derivation(
+        fn,
+        sources,
+        "attention",
+        gain,
+        roots=(0, 1, 2),
+        max_depth=MAX_DEPTH,  # type: ignore[arg-type]
+    )
 
 
 def _gains(
@@ -111,7 +116,7 @@ def _gains(
         out = []
         for r in range(3):
             x = wide[r]
-            rms = float(x.double().square().mean().sqrt())
+            rms = mean_square(x) ** 0.5
             sigma = PROBE_SCALE * (rms if rms > 0 else 1.0)  # (a root of zeros: absolute)
             noise = torch.randn(x.shape, generator=generator, device=x.device) * sigma
             moved = attend(*wide[:r], x + noise, *wide[r + 1 :])

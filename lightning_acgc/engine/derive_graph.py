@@ -74,7 +74,8 @@ class Derivation(NamedTuple):
     network's first stored tensor (and holds every tensor on the way at once); which
     products are remade where one blocks another: :mod:`~.product_choice`. ``claim``,
     where given, is called once the engine takes the plan (a product shared by the
-    tensors remade from it counts the unpacks to wait for)."""
+    tensors remade from it counts the unpacks to wait for). ``max_depth``, where given,
+    bounds how many remakings deep each source may be (0: stored)."""
 
     fn: Callable[..., torch.Tensor]
     sources: tuple[int, ...]
@@ -85,6 +86,7 @@ class Derivation(NamedTuple):
     stored: tuple[int, ...] = ()
     multiplies: int = 0
     claim: Callable[[], None] | None = None
+    max_depth: int | None = None
 
 
 def placed(saved: torch.Tensor, base: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:

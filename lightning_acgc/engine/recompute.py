@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import torch
 
 from lightning_acgc.engine import derive, exact, extremum, sites
-from lightning_acgc.engine.derive_attention import attention_output, fused_attention
+from lightning_acgc.engine.derive_attention import Find, attention_output, fused_attention
 from lightning_acgc.engine.derive_graph import check_unchanged, placed
 from lightning_acgc.engine.derive_rotary import rotary, rotary_output
 from lightning_acgc.engine.derive_view import cast_plan, is_cast, view_plan
@@ -165,7 +165,7 @@ class Recomputing:
         if plan is None and rotated:  # (derive_rotary)
             plan = rotary_output(t, base, origins, self._locator(recent, exact=False))
         if plan is None and attended:  # (derive_attention)
-            plan = attention_output(t, base, origins, self._finder(recent))
+            plan = attention_output(t, base, self._finder(recent))
         if plan is None and viewed:  # another view of one saved (derive_view)
 
             def current(i: int, u: torch.Tensor) -> bool:  # u packed at this version
@@ -181,8 +181,8 @@ class Recomputing:
         sources = [entry.source() for entry in entries]
         if any(s is None for s in sources) or any(_remade(sources[k]) for k in plan.stored):
             return None
-        if attended and any(_depth(s) > ATTENTION_DEPTH for s in sources):
-            return None  # (no unpack runs a chain of attentions back through the model)
+        if plan.max_depth is not None and any(_depth(s) > plan.max_depth for s in sources):
+            return None
         if plan.multiplies and not self._product_allowed(site.key, t, plan.multiplies, sources):
             return None
         if plan.claim is not None:
@@ -226,7 +226,7 @@ class Recomputing:
 
         return locate
 
-    def _finder(self, recent: list[Recent]) -> Any:
+    def _finder(self, recent: list[Recent]) -> Find:
         """``find(node, attr, exact)``: whether ``node`` saved a tensor as ``attr`` (not
         None), and :meth:`_locator`'s position of its holder."""
 
@@ -279,9 +279,6 @@ class Recomputing:
 
 # on measuring steps the last saves are held as they are (for their gains), no more
 STRONG_WINDOW = 8
-# the deepest remaking an attention's output is remade from: a rotated query of a
-# projection of a norm's output run again (Llama's), a view of a product (GPT-2's split)
-ATTENTION_DEPTH = 3
 
 
 def _layout(u: torch.Tensor) -> tuple:
