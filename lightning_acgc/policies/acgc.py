@@ -21,9 +21,9 @@ error stays within E = target · e² · ‖g‖² / κ:
 * ``codec="bounded"``: COMET-style |x − x̂| ≤ eb (variance ≤ eb²/3), each tensor's share
   of E in proportion to its size.
 
-The error is held per layer too (:mod:`~.acgc_corrections`; ``quant``: floors on the
-tensors around a layer over budget, :mod:`~.acgc_floors`, and factors the model guesses
-measured by probes, :mod:`~.acgc_probes`).
+The error is held per layer too (:mod:`~.acgc_corrections`; ``quant``: floors around a
+layer over budget, :mod:`~.acgc_floors`, factors measured by probes, :mod:`~.acgc_probes`,
+a global budget loosened only as far as the layers' errors through δ allow, :mod:`~.acgc_approach`).
 
 Verify, don't trust: with ``verify=True`` the exact gradient is computed on calibration
 steps; its statistics set the settings of the same step's compressed pass, so the logged
@@ -68,6 +68,7 @@ from lightning_acgc.policies.acgc_allocation import (
     quant_allocation,
     quant_meta_options,
 )
+from lightning_acgc.policies.acgc_approach import held_budget
 from lightning_acgc.policies.acgc_corrections import ModelCorrections
 from lightning_acgc.policies.acgc_floors import ScopeFloors
 from lightning_acgc.policies.acgc_noise import NoiseBudget, check_budget_options
@@ -275,9 +276,8 @@ class ACGCPolicy(
             grad_sq = self.stats.stop()
             module_sq = self._exact_sq = per_module_sq(self._exact)
             layer = self._held_modules(module_sq)
-            grad_sq, layer, g_sq = reduce_tables(
-                reduce, grad_sq, layer, {"": sum(module_sq.values())}
-            )
+            g_sq = {"": sum(module_sq.values())}
+            grad_sq, layer, g_sq = reduce_tables(reduce, grad_sq, layer, g_sq)
             if not finite(grad_sq, g_sq):  # (an overflowed exact pass: settings kept)
                 self._metrics["nonfinite"] = 1.0
             elif self._structure:
@@ -370,7 +370,9 @@ class ACGCPolicy(
         self._predicted_own = own
 
     def _allocate(self) -> None:
-        e_sq = self.error_target**2 * self.target * self.aim / self.kappa
+        self._approach_used, lift = held_budget(self.aim / self.kappa, self._approach)
+        self._metrics["budget_held"] = lift
+        e_sq = self.error_target**2 * self.target * self._approach_used
         g_sq = self._budget_grad_sq  # relative: see there
         sens = self.probed_all(average(self._sens))
         latest = self.probed_all({k: v[-1] for k, v in self._sens.items()})
@@ -384,7 +386,7 @@ class ACGCPolicy(
         self._layer_errors = self.layer_errors({m: v * mean_g for m, v in layer_sq.items()})
         scale = self.layer_kappa / self.error_target**2
         e_m = self._layer_errors
-        layer_sq = {m: v and held[m] * e_m[m] ** 2 * scale for m, v in layer_sq.items()}
+        layer_sq = {m: v and held[m] * e_m[m] ** 2 * scale * lift for m, v in layer_sq.items()}
         share = self.own_share(sens)
         if self.codec == "bounded":
             args = (layer_sq, g_sq, e_sq, self.lam, self._own_scale, share)

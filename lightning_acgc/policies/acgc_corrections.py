@@ -35,6 +35,7 @@ import math
 from collections import deque
 
 from lightning_acgc.policies.acgc_allocation import UNCONSTRAINED
+from lightning_acgc.policies.acgc_approach import next_limit
 from lightning_acgc.policies.acgc_floors import parent, within
 from lightning_acgc.policies.bit_allocation import KEEP
 
@@ -55,6 +56,11 @@ class ModelCorrections:
     violation_memory = 0.97  # per calibration without a violation, the remembered value fades
     worst_layer: str | None = None  # the module of the last ``layer_budget_use`` reading
     _aim_climbs = 0  # calibrations measured within a rounding floor before a reading
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._approach: float | None = None  # largest aim/κ of the next allocation (quant)
+        self._approach_used: float | None = None  # the aim/κ the settings in force took
 
     @property
     def aim(self) -> float:
@@ -242,6 +248,8 @@ class ModelCorrections:
         if self._predicted is None or not needs:
             return  # the settings in force were not allocated this step (first step)
         if self.codec == "quant":
+            # how far the next allocation may loosen: the errors through δ (acgc_approach)
+            self._approach = next_limit(self._approach_used, through_delta)
             # κ has just tightened every budget of the next allocation by 1/change
             # (``kappa_change``, from :meth:`_measure`): what is left for the per-layer
             # corrections is each module's miss beyond the whole model's (counting it

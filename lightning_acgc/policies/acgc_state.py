@@ -50,6 +50,7 @@ class ACGCState:
             "error_target": self.error_target,
             "readings": list(self._readings),
             "aim_climbs": self._aim_climbs,
+            "approach": [self._approach, self._approach_used],
             "scope_readings": {k: list(v) for k, v in self._scope_readings.items()},
             "own_readings": {m: list(v) for m, v in self._own_readings.items()},
             "violated": dict(self._violated),
@@ -87,6 +88,7 @@ class ACGCState:
         self.error_target = float(state.get("error_target", self.error_target))
         self._readings = deque(state["readings"], maxlen=self.history)
         self._aim_climbs = int(state.get("aim_climbs", 0))
+        self._approach, self._approach_used = state.get("approach", (None, None))
         scopes = state.get("scope_readings", {"": state.get("layer_readings", ())})
         self._scope_readings = {k: deque(v, maxlen=self.history) for k, v in scopes.items()}
         self._violated = dict(state.get("violated", {}))
