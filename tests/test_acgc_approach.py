@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_acgc.engine import ActivationCompressor, EngineSettings, compressed_step
 from lightning_acgc.policies import ACGCPolicy
 from lightning_acgc.policies.acgc_approach import held_budget, next_limit
+from tests.test_policies import _train
 
 
 def test_the_limit_grows_by_the_room_the_worst_layer_leaves() -> None:
@@ -52,33 +52,17 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_allocations_stay_within_the_limit_their_layers_set() -> None:
     """Each allocation after a verified calibration takes at most the limit that
-    calibration's layers set (and less than κ asked for where it binds), the per-layer
-    budgets lifted back; the limit survives a checkpoint."""
+    calibration's layers set (and less than κ asked for where it binds); the limit
+    survives a checkpoint."""
     policy = _Recording(gradient_error=0.05, calibrate_every=1)
-    model = _Attention()
-    engine = ActivationCompressor(policy, model=model, settings=EngineSettings(min_numel=0))
-    engine.install()
-    policy.setup(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    held = []
-    try:
-        for step in range(6):
-            x, y = _batch(step)
-            opt.zero_grad()
-            loss = lambda x=x, y=y: nn.functional.cross_entropy(model(x), y)
-            compressed_step(engine, model, loss, step=step)
-            held.append(policy.metrics().get("budget_held", 1.0))
-            opt.step()
-    finally:
-        engine.remove()
-        policy.teardown()
+    _, history = _train(_Attention(), policy, 6, _batch, lr=0.05)
     allocations = policy.allocations
     assert len(allocations) >= 5 and allocations[0][1] is None
     for asked, limit, took in allocations:
         assert took == pytest.approx(asked if limit is None else min(asked, limit))
     bound = [(asked, limit) for asked, limit, _ in allocations if limit and asked > limit]
     assert bound, allocations  # κ's first falls ask for more than the layers allow
-    assert max(held) > 1.0  # logged
+    assert max(h.get("budget_held", 1.0) for h in history) > 1.0  # logged
     resumed = ACGCPolicy()
     resumed.load_state_dict(policy.state_dict())
     assert (resumed._approach, resumed._approach_used) == (

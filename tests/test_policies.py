@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_acgc.engine import ActivationCompressor, EngineSettings, compressed_step
 from lightning_acgc.engine.meter import SiteRecord
-from lightning_acgc.policies import available_policies, build_policy
+from lightning_acgc.policies import Policy, available_policies, build_policy
 from lightning_acgc.policies.bit_allocation import allocate_bits
 from lightning_acgc.policies.error_model import tensor_sensitivities
 from lightning_acgc.policies.gradient_stats import GradientStats
@@ -104,8 +104,10 @@ class TwoBranch(nn.Module):
         return self.head(h.mean(dim=(2, 3)))
 
 
-def _train(model, policy_name, steps, make_batch, lr=0.05, **options):
-    policy = build_policy(policy_name, **options)
+def _train(model, policy, steps, make_batch, lr=0.05, **options):
+    """``steps`` SGD steps of ``model`` under ``policy`` (a name, or a policy built
+    already): the policy and each step's metrics, ratio and loss."""
+    policy = policy if isinstance(policy, Policy) else build_policy(policy, **options)
     engine = ActivationCompressor(policy, model=model, settings=EngineSettings(min_numel=256))
     engine.install()
     policy.setup(model)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import statistics
 from pathlib import Path
 
 import pytest
@@ -212,3 +213,49 @@ def test_how_much_of_e_quotes_the_committed_held_out_checks() -> None:
     assert f"kept both promises on {s['kept']} of {s['calibrations']}" in prose
     assert f"a median of {s['median_global']:.2f}e" in prose
     assert f"on the step after on {s['held_out_kept']} of {s['held_out_checks']}" in prose
+
+
+def test_how_much_of_e_quotes_the_committed_margin_fits() -> None:
+    """The same prose's medians, kept calibrations and ratios per target are the margin
+    fits' as committed."""
+    prose = _paragraph("How much of e a calibration uses.")
+    margin = json.loads((RESULTS / "margin.jsonl").read_text().splitlines()[-1])
+    fits = margin["fits"]
+    default = fits[str(margin["default_target"])]["all"]
+    assert f"global error of {default['median_global']:.2f}e" in prose
+    assert f"worst layer at {default['median_layer']:.2f} of that layer's bound" in prose
+    for target in ("0.45", "0.6"):
+        f = fits[target]["all"]
+        assert f"{f['median_global']:.2f}e / {f['median_layer']:.2f}" in prose, target
+        assert f"{f['layer_kept']} of {f['calibrations']}" in prose, target
+    loose = fits["1.0"]
+    assert f"at {loose['all']['median_global']:.2f}e with its worst layer at" in prose
+    assert f"holds on only {loose['all']['layer_kept']} of" in prose
+    for recipe in ("charlm", "resnet", "bert", "gnn"):
+        assert f"{recipe} {loose[recipe]['ratio']:.1f}x" in prose, recipe
+        ratio = fits[str(margin["default_target"])][recipe]["ratio"]
+        assert f"{ratio:.1f}x" in prose.split("against the default's")[1][:60], recipe
+
+
+def test_causal_lm_promise_prose_quotes_the_committed_experiments() -> None:
+    """The causal-LM paragraph's promise figures (before, after the attention output was
+    remade, with every class probed, with the budget held) are the committed lines of
+    ``experiments/promise_lm.jsonl``."""
+    text = " ".join(README_PATH.read_text().split())
+    lines = (RESULTS / "experiments" / "promise_lm.jsonl").read_text().splitlines()
+    before, after, probed, held = (json.loads(line) for line in lines)
+
+    def kept(line: dict) -> tuple[int, int]:
+        return line["summary"]["llama"]["kept"], line["summary"]["gpt2"]["kept"]
+
+    def ratios(line: dict) -> tuple[str, str]:
+        return tuple(  # type: ignore[return-value]
+            f"{statistics.mean(r['ratio'] for r in line['runs'] if r['recipe'] == m):.1f}x"
+            for m in ("llama", "gpt2")
+        )
+
+    assert "held on {} of 156 Llama calibrations and {} of 156 GPT-2".format(*kept(after)) in text
+    assert "against {} and {} with the output stored".format(*kept(before)) in text
+    assert "at {} and {} against {} and {}".format(*ratios(after), *ratios(before)) in text
+    assert f"kept as many, {probed['summary']['all']['kept']} of 312, at" in text
+    assert "{} and {} at {} and {}".format(*kept(held), *ratios(held)) in text

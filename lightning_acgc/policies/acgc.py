@@ -22,8 +22,8 @@ error stays within E = target · e² · ‖g‖² / κ:
   of E in proportion to its size.
 
 The error is held per layer too (:mod:`~.acgc_corrections`; ``quant``: floors around a
-layer over budget, :mod:`~.acgc_floors`, factors measured by probes, :mod:`~.acgc_probes`,
-a global budget loosened only as far as the layers' errors through δ allow, :mod:`~.acgc_approach`).
+layer over budget, :mod:`~.acgc_floors`, probes, :mod:`~.acgc_probes`, a global budget
+loosened only as far as the layers' errors through δ allow, :mod:`~.acgc_approach`).
 
 Verify, don't trust: with ``verify=True`` the exact gradient is computed on calibration
 steps; its statistics set the settings of the same step's compressed pass, so the logged
@@ -108,7 +108,7 @@ class ACGCPolicy(
         initial_relative_bound: ``bounded`` only: bound relative to each tensor's range
             before the first calibration and for sites never seen.
         group_size: values per group of the codec.
-        target: fraction of e² the modelled error aims at (0.35: measured 0.4-0.7e at 0.05).
+        target: fraction of e² the modelled error aims at (0.35: a median 0.33e measured).
         layer_floor: modules whose squared gradient is below this share of ‖g‖² are
             held to e only through the global error (default: ``layer_floor``, 1e-12).
         noise_ratio: ρ > 0: compression adds at most ρ² of the batch gradient's sampling

@@ -14,14 +14,15 @@ projections at 1.13-1.2x their bound, the causal LMs' query and key projections 
 to 4x.
 
 So each verified calibration reads its worst layer's error through δ against that
-part of its budget (``through_delta`` of :meth:`~.acgc_corrections.ModelCorrections.
-_measure_layers`, 1: at its share of target · e_m²), and the next allocation's aim/κ
-may grow by its inverse at most (not at all where a layer was at or over it). The
-errors through δ grow with the global budget as the other-ops tensors lose bits, so a
-layer at half its share may take 2x more, one at its share no more. The per-layer
-budgets of the weight ops' own inputs are not held by it (they are modelled per layer:
-:func:`held_budget` lifts them back). κ keeps its meaning (measured / modelled at the settings
-in force); only the budget the allocation reads is held. Logged as ``budget_held``
+part of its budget (``through_delta`` in
+:meth:`~.acgc_corrections.ModelCorrections._measure_layers`; 1: at its share of
+target · e_m²), and the next allocation's aim/κ may grow by its inverse at most (not at
+all where a layer was at or over it). The errors through δ grow with the global budget
+as the other-ops tensors lose bits, so a layer at half its share may take 2x more, one
+at its share no more. The per-layer budgets of the weight ops' own inputs are not held
+by it (they are modelled per layer: :func:`held_budget` lifts them back). κ keeps its
+meaning (measured / modelled at the settings in force); only the budget the allocation
+reads is held. Logged as ``budget_held``
 (aim/κ over what the allocation took; 1 where nothing was held).
 
 Measured on the sweep's fits at the default (``benchmarks/promise.py``, 282 verified
