@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_acgc.policies import ACGCPolicy
-from lightning_acgc.policies.acgc_approach import held_budget, next_limit
+from lightning_acgc.policies.acgc_approach import delta_reading, held_budget, next_limit
 from tests.test_policies import _train
 
 
@@ -18,6 +18,19 @@ def test_the_limit_grows_by_the_room_the_worst_layer_leaves() -> None:
     assert next_limit(None, {"q": 0.5}) is None  # nothing allocated yet: no limit
     assert held_budget(3.0, 2.0) == (2.0, 1.5)  # held 1.5x, the own budgets lifted by it
     assert held_budget(1.5, 2.0) == (1.5, 1.0)
+
+
+def test_the_delta_reading_counts_the_room_the_own_input_leaves() -> None:
+    # own input unused: the whole budget is δ's room
+    assert delta_reading(0.3, 0.0, 1.0, 0.8) == pytest.approx(0.3)
+    # own input at its share (0.8): δ reads against the fifth left
+    assert delta_reading(0.9, 0.8, 1.0, 0.8) == pytest.approx(0.5)
+    # own input over its share: still the fifth, never less
+    assert delta_reading(1.0, 0.95, 1.0, 0.8) == pytest.approx(0.25)
+    # an error the own input explains reads 0
+    assert delta_reading(0.2, 0.4, 1.0, 0.8) == 0.0
+    # the same error through δ (0.1) reads more where the own input takes more
+    assert delta_reading(0.5, 0.4, 1.0, 0.8) > delta_reading(0.2, 0.1, 1.0, 0.8)
 
 
 class _Recording(ACGCPolicy):

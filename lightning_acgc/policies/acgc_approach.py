@@ -13,11 +13,11 @@ on the first calibration at the full budget (step 5): the char-LM's attention
 projections at 1.13-1.2x their bound, the causal LMs' query and key projections at up
 to 4x.
 
-So each verified calibration reads its worst layer's error through δ against that
-part of its budget (``through_delta`` in
-:meth:`~.acgc_corrections.ModelCorrections._measure_layers`; 1: at its share of
-target · e_m²), and the next allocation's aim/κ may grow by its inverse at most (not at
-all where a layer was at or over it). The errors through δ grow with the global budget
+So each verified calibration reads its worst layer's error through δ against the
+room its own input leaves of its budget, at least the δ share (:func:`delta_reading`, in
+:meth:`~.acgc_corrections.ModelCorrections._measure_layers`; 1: that room filled), and
+the next allocation's aim/κ may grow by its inverse at most (not at all where a layer
+was at or over it). The errors through δ grow with the global budget
 as the other-ops tensors lose bits, so a layer at half its share may take 2x more, one
 at its share no more. The per-layer budgets of the weight ops' own inputs are not held
 by it (they are modelled per layer: :func:`held_budget` lifts them back). κ keeps its
@@ -33,7 +33,24 @@ either way.
 
 from __future__ import annotations
 
-__all__ = ["held_budget", "next_limit"]
+__all__ = ["delta_reading", "held_budget", "next_limit"]
+
+
+def delta_reading(err: float, own: float, budget: float, share: float) -> float:
+    """A layer's error through δ (``err`` measured less ``own``, its own input's modelled
+    part) over the room its own input leaves of its ``budget`` (target · e_m²‖g_m‖²), at
+    least the δ share ``1 − share`` of it. A query projection's own input (a norm's output,
+    held by the value projection's larger budget) used a few percent of its budget, and
+    read against the δ share alone (a fifth) BERT-base's queries held every allocation at
+    its first full-budget calibration's for good (17.6x; 20.0x read against the room).
+
+    Example:
+        >>> delta_reading(0.3, 0.0, 1.0, 0.8)  # own input unused: all the room is δ's
+        0.3
+        >>> delta_reading(0.9, 0.8, 1.0, 0.8)  # own input at its share: δ has the fifth
+        0.5
+    """
+    return max(err - own, 0.0) / max(budget - own, (1.0 - share) * budget)
 
 
 def next_limit(used: float | None, through_delta: dict[str, float]) -> float | None:

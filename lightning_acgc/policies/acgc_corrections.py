@@ -35,7 +35,7 @@ import math
 from collections import deque
 
 from lightning_acgc.policies.acgc_allocation import UNCONSTRAINED
-from lightning_acgc.policies.acgc_approach import next_limit
+from lightning_acgc.policies.acgc_approach import delta_reading, next_limit
 from lightning_acgc.policies.acgc_floors import parent, within
 from lightning_acgc.policies.bit_allocation import KEEP
 
@@ -223,6 +223,7 @@ class ModelCorrections:
         worst = step_use = 0.0
         needs: dict[str, float] = {}  # measured error / budget, per module
         through_delta: dict[str, float] = {}  # the part of that not from its own input
+        delta_room: dict[str, float] = {}  # that part over what its own input leaves
         share = self.own_share()
         scale = self.layer_scale(module_g)
         uses = self.layer_uses(module_g, module_err, g_sq, scale)
@@ -242,6 +243,7 @@ class ModelCorrections:
             needs[module] = err / (budget * g)
             own = self._predicted_own.get(module, 0.0)
             through_delta[module] = max(err - own, 0.0) / ((1 - share) * budget * g)
+            delta_room[module] = delta_reading(err, own, budget * g, share)
         self._metrics["layer_grad_error"] = math.sqrt(worst)
         self._metrics["layer_budget_use"] = math.sqrt(use)  # ‖ĝ_m − g_m‖ / (e_m·layer_scale)
         self._metrics["layer_step_use"] = math.sqrt(step_use)  # the same against this ‖g_m‖
@@ -249,7 +251,7 @@ class ModelCorrections:
             return  # the settings in force were not allocated this step (first step)
         if self.codec == "quant":
             # how far the next allocation may loosen: the errors through δ (acgc_approach)
-            self._approach = next_limit(self._approach_used, through_delta)
+            self._approach = next_limit(self._approach_used, delta_room)
             # κ has just tightened every budget of the next allocation by 1/change
             # (``kappa_change``, from :meth:`_measure`): what is left for the per-layer
             # corrections is each module's miss beyond the whole model's (counting it
