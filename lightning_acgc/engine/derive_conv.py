@@ -85,11 +85,12 @@ def conv_output(saved: torch.Tensor, base: torch.Tensor, recent: list[Origin]) -
     stride, padding, dilation, output_padding = args
     view = placed(saved, base)
     unchanged = check_unchanged("a convolution's weight or bias", weight, bias)
+    dtype = base.dtype  # (not ``base`` in the closure: it would hold the output alive)
 
     def fn(x_hat: torch.Tensor) -> torch.Tensor:
         unchanged()
         with torch.no_grad():  # (the casts: autocast's, see used_param; else no-ops)
-            w, b = weight.to(base.dtype), None if bias is None else bias.to(base.dtype)
+            w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
             y = torch.ops.aten.convolution(
                 x_hat, w, b, stride, padding, dilation, False, output_padding, groups
             )

@@ -116,6 +116,7 @@ def linear_output(
     alpha = float(getattr(node, "_saved_alpha", 1)) if with_bias else 1.0
     beta = float(getattr(node, "_saved_beta", 1)) if with_bias else 1.0
     view = placed(saved, base)
+    dtype = base.dtype  # (not ``base`` in the closures: it would hold the output alive)
 
     unchanged = check_unchanged("a Linear's weight or bias", weight, bias)
     memo = _Shared.of(node) if shared else None
@@ -123,11 +124,11 @@ def linear_output(
     def product(x_hat: torch.Tensor) -> torch.Tensor:
         unchanged()
         with torch.no_grad():  # (the casts: autocast's, see used_param; else no-ops)
-            w = factor.to(base.dtype)
+            w = factor.to(dtype)
             if bias is None:
                 y = torch.mm(x_hat, w)
                 return y * alpha if alpha != 1.0 else y
-            return torch.addmm(bias.to(base.dtype), x_hat, w, beta=beta, alpha=alpha)
+            return torch.addmm(bias.to(dtype), x_hat, w, beta=beta, alpha=alpha)
 
     def fn(x_hat: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
