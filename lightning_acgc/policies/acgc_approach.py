@@ -41,10 +41,8 @@ __all__ = ["delta_reading", "held_budget", "next_limit"]
 def delta_reading(err: float, own: float, budget: float, share: float) -> float:
     """A layer's error through δ (``err`` measured less ``own``, its own input's modelled
     part) over the room its own input leaves of its ``budget`` (target · e_m²‖g_m‖²), at
-    least the δ share ``1 − share`` of it. A query projection's own input (a norm's output,
-    held by the value projection's larger budget) used a few percent of its budget, and
-    read against the δ share alone (a fifth) BERT-base's queries held every allocation at
-    its first full-budget calibration's for good (17.6x; 20.0x read against the room).
+    least the δ share ``1 − share`` of it: a query projection's own input may use a few
+    percent of its budget (the module docstring has what the δ share alone cost).
 
     Example:
         >>> delta_reading(0.3, 0.0, 1.0, 0.8)  # own input unused: all the room is δ's
@@ -55,12 +53,12 @@ def delta_reading(err: float, own: float, budget: float, share: float) -> float:
     return max(err - own, 0.0) / max(budget - own, (1.0 - share) * budget)
 
 
-def next_limit(used: float | None, through_delta: dict[str, float]) -> float | None:
+def next_limit(used: float | None, readings: dict[str, float]) -> float | None:
     """The largest aim/κ the next allocation may take, after one that took ``used`` and
-    whose layers read ``through_delta`` (per module held to e: its error not from its own
-    input over that part of its budget): ``used`` times the worst reading's inverse where
-    it leaves room, ``used`` where it does not; ``None`` (no limit) where no layer took
-    error through δ or no allocation was made (``used`` None).
+    whose layers read ``readings`` (per module held to e: :func:`delta_reading`):
+    ``used`` times the worst reading's inverse where it leaves room, ``used`` where it
+    does not; ``None`` (no limit) where no layer took error through δ or no allocation
+    was made (``used`` None).
 
     Example:
         >>> next_limit(2.0, {"a": 0.5, "b": 0.25})
@@ -68,7 +66,7 @@ def next_limit(used: float | None, through_delta: dict[str, float]) -> float | N
         >>> next_limit(2.0, {"a": 1.5}), next_limit(2.0, {"a": 0.0}), next_limit(2.0, {})
         (2.0, None, None)
     """
-    worst = max(through_delta.values(), default=0.0)
+    worst = max(readings.values(), default=0.0)
     return used * max(1.0, 1.0 / worst) if worst > 0 and used is not None else None
 
 
