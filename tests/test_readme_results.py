@@ -259,3 +259,37 @@ def test_causal_lm_promise_prose_quotes_the_committed_experiments() -> None:
     assert "at {} and {} against {} and {}".format(*ratios(after), *ratios(before)) in text
     assert f"kept as many, {probed['summary']['all']['kept']} of 312, at" in text
     assert "{} and {} at {} and {}".format(*kept(held), *ratios(held)) in text
+
+
+def test_attribution_prose_quotes_the_committed_experiments() -> None:
+    """The causal-LM paragraph's attribution of the Llama's step-5 breaks (the final
+    norm's input, its widths and readings, with and without the scaled factor) is the
+    committed lines of ``experiments/attribution.jsonl``."""
+    text = " ".join(README_PATH.read_text().split())
+    lines = (RESULTS / "experiments" / "attribution.jsonl").read_text().splitlines()
+    seed1, seed0, scaled1, scaled0 = (json.loads(line) for line in lines)
+
+    def final_norm(line: dict) -> dict:
+        (entry,) = (c for c in line["classes"] if c["class"].endswith("model.norm:0"))
+        return entry
+
+    def bits(line: dict) -> str:
+        (setting,) = final_norm(line)["settings"].values()
+        return f"{float(setting.removeprefix('bits=')):.2f}"
+
+    def both(fmt: str, a: float, b: float, unit: str = "") -> str:
+        return f"{a:{fmt}}{unit} and {b:{fmt}}{unit}"
+
+    assert f"at {bits(seed1)} and {bits(seed0)} bits) alone" in text
+    one, zero = final_norm(seed1), final_norm(seed0)
+    assert both(".2f", one["worst_layer"], zero["worst_layer"], "x") + " its bound" in text
+    assert "global error at " + both(".2f", one["global"], zero["global"], "e") in text
+    cal1, cal0 = seed1["calibration"], seed0["calibration"]
+    assert "measured " + both(".2f", cal1["worst_layer"], cal0["worst_layer"], "x") in text
+    assert both(".2f", cal1["global"], cal0["global"], "e") + ": seed 1's" in text
+    others = max(c["worst_layer"] for line in (seed1, seed0) for c in line["classes"]
+                 if c is not final_norm(line))  # fmt: skip
+    assert f"each other class at most {others:.2f} of any bound" in text
+    assert f"only to {bits(scaled1)} and {bits(scaled0)} bits" in text
+    s1, s0 = final_norm(scaled1), final_norm(scaled0)
+    assert f"({both('.2f', s1['worst_layer'], s0['worst_layer'], 'x')})" in text
