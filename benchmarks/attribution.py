@@ -30,11 +30,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from benchmarks._harness import emit, machine, resolve_device
-from benchmarks.sweep import QUIET, RECIPES
+from benchmarks.promise import PromiseRecorder, acgc_config, fit_recipe
+from benchmarks.sweep import RECIPES
 from lightning_acgc import ActivationCompression
 from lightning_acgc.codecs.base import Codec
 from lightning_acgc.engine.meter import RAW_CODECS
@@ -76,30 +76,33 @@ class OneClassAt(ACGCPolicy):
         return codec if self.only in (None, tensor_class(site.key)) else None
 
 
-class _StopAfter(pl.Callback):
-    """After the policy's step ``at`` (listed after the compression callback): the
-    policy's readings of that step and the sites encoded by its codecs, then the fit
-    stops."""
+class _StopAfter(PromiseRecorder):
+    """The promise's recorder (listed after the compression callback) that, after the
+    policy's step ``at``, keeps that step's reading and the sites encoded by its
+    codecs, then stops the fit."""
 
     def __init__(self, compression: ActivationCompression) -> None:
+        super().__init__(compression.policy)
         self.compression = compression
-        self.policy: OneClassAt = compression.policy
         self.reading: dict[str, Any] | None = None
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        if trainer.global_step - 1 != self.policy.at:
+        super().on_train_batch_end(trainer, *args)
+        p: OneClassAt = self.policy
+        if trainer.global_step - 1 != p.at or not self.readings:
             return
-        m, p = self.policy.metrics(), self.policy
+        r = self.readings[-1]
+        if r["step"] != p.at:  # (not a verified calibration: no reading, fit_to_step raises)
+            return
         classes: dict[str, dict[str, str]] = {}
         for key, setting in sorted(p.chosen.items()):
             classes.setdefault(tensor_class(key), {})[key] = setting
         sites = self.compression.engine.stats.sites
-        encoded = [k for k in p.chosen if k in sites and sites[k].codec not in RAW_CODECS]
         self.reading = {
-            "encoded": encoded,
-            "global": round(m["grad_error"] / m.get("error_target", p.gradient_error), 4),
-            "worst_layer": round(m["layer_budget_use"], 4),
-            "worst_module": p.worst_layer,
+            "encoded": [k for k in p.chosen if k in sites and sites[k].codec not in RAW_CODECS],
+            "global": round(r["grad_error"] / r["error_target"], 4),
+            "worst_layer": round(r["layer_budget_use"], 4),
+            "worst_module": r["module"],
             "classes": classes,
         }
         trainer.should_stop = True
@@ -111,11 +114,7 @@ def fit_to_step(
     """One fit of the sweep's ``recipe`` with acgc at its default up to calibration step
     ``step``, on which only class ``only`` (None: all) is compressed: that step's
     readings, and the classes acgc set widths for."""
-    from recipes.config_schema import compose_config
-
-    overrides = [*RECIPES[recipe], *QUIET, "compression=acgc", f"seed={seed}",
-                 f"compression.calibrate_every={calibrate_every}"]  # fmt: skip
-    cfg = compose_config(overrides)
+    cfg = acgc_config(recipe, seed, calibrate_every)
     spec = OmegaConf.to_container(cfg.compression, resolve=True)
     assert isinstance(spec, dict)
     spec.pop("_target_", None)
@@ -124,13 +123,8 @@ def fit_to_step(
     policy = OneClassAt(step, only, **{k: v for k, v in own.items() if v is not None})
     if not policy.is_calibration_step(step):
         raise ValueError(f"step={step} is not a calibration step of this schedule")
-    callback = ActivationCompression(policy=policy, **{**spec, "print_table": False})
-    stop = _StopAfter(callback)
-    pl.seed_everything(cfg.seed, workers=True, verbose=False)
-    datamodule = instantiate(cfg.data)
-    model = instantiate(cfg.model)
-    trainer = instantiate(cfg.trainer, callbacks=[callback, stop], logger=False)
-    trainer.fit(model, datamodule=datamodule)
+    stop = _StopAfter(ActivationCompression(policy=policy, **spec))
+    fit_recipe(cfg, [stop.compression, stop])
     if stop.reading is None:
         raise RuntimeError(f"the fit ended before step {step}")
     return stop.reading

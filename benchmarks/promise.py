@@ -42,13 +42,23 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
+from omegaconf import DictConfig
 
 from benchmarks._harness import emit, machine, resolve_device
 from benchmarks._held_out import HeldOutCheck
 from benchmarks._promise_bars import BAND
 from benchmarks.sweep import QUIET, RECIPES
 
-__all__ = ["BAND", "PromiseRecorder", "band_summary", "fit_with_acgc", "in_band", "summarize"]
+__all__ = [
+    "BAND",
+    "PromiseRecorder",
+    "acgc_config",
+    "band_summary",
+    "fit_recipe",
+    "fit_with_acgc",
+    "in_band",
+    "summarize",
+]
 
 FULL_RECIPES = {"charlm": 5, "resnet": 3, "bert": 3, "gnn": 3}  # recipe -> seeds
 QUICK_RECIPES = {"charlm": 1, "gnn": 1}
@@ -85,11 +95,11 @@ class PromiseRecorder(pl.Callback):
             })  # fmt: skip
 
 
-def fit_with_acgc(
+def acgc_config(
     recipe: str, seed: int, calibrate_every: int, target: float | None = None
-) -> dict[str, Any]:
-    """One fit of the sweep's ``recipe`` with acgc at its default (``target``: its margin,
-    None: its own): its calibrations."""
+) -> DictConfig:
+    """The composed config of the sweep's ``recipe`` with acgc at its default
+    (``target``: its margin, None: its own), calibrating every ``calibrate_every``."""
     from recipes.config_schema import compose_config
 
     overrides = [*RECIPES[recipe], *QUIET, "compression=acgc", f"seed={seed}",
@@ -98,15 +108,30 @@ def fit_with_acgc(
         overrides.append(f"compression.target={target}")
     cfg = compose_config(overrides)
     cfg.compression.print_table = False
-    callback = instantiate(cfg.compression)
-    recorder = PromiseRecorder(callback.policy)
-    held_out = HeldOutCheck(callback)
+    return cfg
+
+
+def fit_recipe(cfg: DictConfig, callbacks: list[pl.Callback]) -> pl.Trainer:
+    """Train ``cfg``'s model on its data (seeded by ``cfg.seed``) with ``callbacks``."""
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
-    trainer = instantiate(cfg.trainer, callbacks=[callback, recorder, held_out], logger=False)
-    start = time.perf_counter()
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=False)
     trainer.fit(model, datamodule=datamodule)
+    return trainer
+
+
+def fit_with_acgc(
+    recipe: str, seed: int, calibrate_every: int, target: float | None = None
+) -> dict[str, Any]:
+    """One fit of the sweep's ``recipe`` with acgc at its default (``target``: its margin,
+    None: its own): its calibrations."""
+    cfg = acgc_config(recipe, seed, calibrate_every, target)
+    callback = instantiate(cfg.compression)
+    recorder = PromiseRecorder(callback.policy)
+    held_out = HeldOutCheck(callback)
+    start = time.perf_counter()
+    trainer = fit_recipe(cfg, [callback, recorder, held_out])
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     readings = recorder.readings
     kept_global = [r["grad_error"] <= r["error_target"] for r in readings]
