@@ -12,10 +12,13 @@ wrote (one line per benchmark and mode, with the machine, commit and date). This
   ``docs/acgc_vs_fixed.png`` (ratio vs measured error: fixed settings, gact, acgc);
 - replaces what is between ``<!-- results:start -->`` and ``<!-- results:end -->`` in
   README.md with :func:`render`: the tables, each labelled with its mode, the machine
-  and command, full-size figures beside the quick ones, and the project's bars.
+  and command, full-size figures beside the quick ones, and the project's bars;
+- and what is between ``<!-- glance:start -->`` and ``<!-- glance:end -->`` with
+  :func:`render_glance` (``benchmarks/_glance.py``): acgc, checkpointing and fixed 2-bit
+  side by side at full size, and the sweep's paired-seed fits.
 
-``tests/test_readme_results.py`` fails when README's section differs from
-:func:`render` of the committed results.
+``tests/test_readme_results.py`` fails when either section differs from what the
+committed results render.
 
     python -m benchmarks.report [--mode auto|quick|full]
 """
@@ -32,6 +35,7 @@ from benchmarks import _plots
 from benchmarks._acgc_tables import acgc_vs_fixed_bars, acgc_vs_fixed_table
 from benchmarks._codec_tables import backends_table, codec_bars, codecs_table
 from benchmarks._fit_tables import fit_time_bars, fit_time_table
+from benchmarks._glance import glance_section
 from benchmarks._gpu_tables import gpu_section, is_gpu_line
 from benchmarks._margin_tables import margin_table
 from benchmarks._precision_tables import precision_table
@@ -53,6 +57,7 @@ README_PATH = ROOT / "README.md"
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ROOT / "docs"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
+GLANCE = ("<!-- glance:start -->", "<!-- glance:end -->")
 # the benchmarks whose lines README is made from: the ones run_all runs by default
 BENCHMARKS = RUN_BY_DEFAULT
 MODES = ("quick", "full")
@@ -310,21 +315,28 @@ def render(results: Path = RESULTS, mode: str = "auto") -> str:
     return "\n".join(lines).rstrip("\n")
 
 
-def readme_section(readme: Path) -> str:
-    """What is between README's results markers; raise if they are missing."""
+def render_glance(results: Path = RESULTS, mode: str = "auto") -> str:
+    """README's "At a glance" section, made from the result lines alone."""
+    everything = load_all(results)
+    return glance_section(chosen(everything, main_mode(everything, mode)), results)
+
+
+def readme_section(readme: Path, markers: tuple[str, str] = (START, END)) -> str:
+    """What is between README's ``markers`` (default: the results section's); raise if
+    they are missing."""
     content = readme.read_text()
-    start, end = content.find(START), content.find(END)
+    start, end = content.find(markers[0]), content.find(markers[1])
     if start < 0 or end < start:
-        raise ValueError(f"{readme} has no {START} ... {END} markers")
-    return content[start + len(START) : end].strip("\n")
+        raise ValueError(f"{readme} has no {markers[0]} ... {markers[1]} markers")
+    return content[start + len(markers[0]) : end].strip("\n")
 
 
-def write_readme(readme: Path, text: str) -> None:
-    """Replace what is between the results markers; raise if they are missing."""
-    readme_section(readme)
+def write_readme(readme: Path, text: str, markers: tuple[str, str] = (START, END)) -> None:
+    """Replace what is between ``markers``; raise if they are missing."""
+    readme_section(readme, markers)
     content = readme.read_text()
-    start, end = content.find(START), content.find(END)
-    readme.write_text(content[: start + len(START)] + "\n" + text + "\n" + content[end:])
+    start, end = content.find(markers[0]), content.find(markers[1])
+    readme.write_text(content[: start + len(markers[0])] + "\n" + text + "\n" + content[end:])
 
 
 def draw(results: Path, docs: Path, mode: str = "auto") -> list[Path]:
@@ -353,7 +365,8 @@ def main(argv: list[str] | None = None) -> None:
     for path in draw(args.results, args.docs, args.mode):
         print(f"wrote {path}")
     write_readme(args.readme, render(args.results, args.mode))
-    print(f"wrote the results section into {args.readme}")
+    write_readme(args.readme, render_glance(args.results, args.mode), GLANCE)
+    print(f"wrote the results and glance sections into {args.readme}")
 
 
 if __name__ == "__main__":

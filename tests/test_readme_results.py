@@ -12,7 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.report import README_PATH, RESULTS, load_all, main_mode, readme_section, render
+from benchmarks.report import (
+    GLANCE,
+    README_PATH,
+    RESULTS,
+    load_all,
+    main_mode,
+    readme_section,
+    render,
+    render_glance,
+)
 from benchmarks.run_all import store
 
 ROOT = RESULTS.parent.parent
@@ -25,6 +34,25 @@ def test_readme_results_section_is_what_the_report_makes() -> None:
         "README.md's results section differs from the committed results: run "
         "`python -m benchmarks.report` and commit README.md and docs/"
     )
+
+
+def test_readme_glance_is_what_the_report_makes() -> None:
+    got = readme_section(README_PATH, GLANCE)
+    assert got == render_glance(RESULTS), (
+        "README.md's At a glance section differs from the committed results: run "
+        "`python -m benchmarks.report` and commit README.md"
+    )
+    assert "| ResNet-50" in got and "| bert:" in got  # the full-size step and the sweep
+
+
+def test_a_changed_result_changes_the_glance(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    shutil.copytree(RESULTS, results)
+    by_mode = load_all(results)
+    memory = by_mode[main_mode(by_mode)]["memory"]
+    next(iter(memory["models"].values()))["configs"]["acgc"]["kept_mb"] += 1.0
+    store(memory, results)
+    assert render_glance(results) != render_glance(RESULTS)
 
 
 def test_every_linked_plot_exists() -> None:
