@@ -7,7 +7,7 @@ import copy
 import functools
 import glob
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,7 +97,8 @@ WITH_SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {
 CONFIGS = ("plain", "checkpoint", *POLICIES, *WITH_CHECKPOINTING, *WITH_SETTINGS)
 
 # The calibrating policies calibrate on the first steps of fit (acgc and comet: 3, gact:
-# 1) and then every 100 steps: steps 0-2 calibrate, step 3 is an ordinary step.
+# 1) and then every 100 steps: steps 0-2 calibrate, step 3 is an ordinary step, unless
+# acgc calibrates again after a calibration over its promise (Runner.calibration_steps).
 CALIBRATION_STEPS = 3
 MEASURED_STEP = CALIBRATION_STEPS
 
@@ -340,6 +341,7 @@ class Runner:
     engine: ActivationCompressor | None = None
     blocks: list[str] = field(default_factory=list)
     calibration: list[dict[str, float]] = field(default_factory=list)
+    measured_step: int = MEASURED_STEP  # the first step after calibration_steps'
 
     @property
     def policy(self) -> Policy | None:
@@ -350,7 +352,18 @@ class Runner:
         """Whether the policy has a calibration schedule (acgc, gact, comet)."""
         return getattr(self.policy, "calibrate_every", None) is not None
 
-    def step(self, step: int = MEASURED_STEP) -> CompressionStats | None:
+    def calibration_steps(self, steps: int = CALIBRATION_STEPS) -> Iterator[int]:
+        """The first ``steps`` steps, then those the policy calibrates again (acgc, after a
+        calibration over its promise), each to be run before the next is asked for; then
+        ``measured_step`` is the first step after them, an ordinary one."""
+        step = 0
+        while step < steps or (self.calibrates and self.policy.retries_at(step)):  # type: ignore[union-attr]
+            yield step
+            step += 1
+        self.measured_step = max(step, MEASURED_STEP)
+
+    def step(self, step: int | None = None) -> CompressionStats | None:
+        step = self.measured_step if step is None else step
         self.module.zero_grad(set_to_none=True)
         if self.engine is None:
             self.recipe.loss(self.module).backward()
@@ -370,8 +383,8 @@ class Runner:
     def calibrate(
         self, steps: int = CALIBRATION_STEPS, optimizer: torch.optim.Optimizer | None = None
     ) -> list[dict[str, float]]:
-        """Run the policy's first ``steps`` steps (its calibration), keep its metrics."""
-        for step in range(steps if self.calibrates else 0):
+        """Run the policy's calibration (:meth:`calibration_steps`), keep its metrics."""
+        for step in self.calibration_steps(steps if self.calibrates else 0):
             self.step(step)
             if self.policy is not None:
                 self.calibration.append(self.policy.metrics())

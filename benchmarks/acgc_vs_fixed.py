@@ -38,7 +38,6 @@ import torch
 
 from benchmarks._cases import CASES, DEFAULT_CASES
 from benchmarks._harness import (
-    MEASURED_STEP,
     MODELS,
     POLICIES,
     add_common_arguments,
@@ -77,7 +76,7 @@ def measure(
         calibration = runner.calibrate()
         loss = lambda: recipe.loss(runner.module)
         exact = exact_gradients(runner.engine, runner.module, loss)
-        stats = runner.step(MEASURED_STEP)
+        stats = runner.step()
         module_g: dict[str, float] = {}
         module_err: dict[str, float] = {}
         for name, p in runner.module.named_parameters():

@@ -25,9 +25,7 @@ from typing import Any
 
 from benchmarks._cases import SPEED_CASES, cases_parser, pick_cases
 from benchmarks._harness import (
-    CALIBRATION_STEPS,
     CONFIGS,
-    MEASURED_STEP,
     POLICIES,
     Runner,
     build_case,
@@ -56,7 +54,7 @@ def _timed(runner: Runner, step: int) -> float:
 def _calibration_times(runner: Runner) -> list[float]:
     if not runner.calibrates:
         return []
-    return [_timed(runner, step) for step in range(CALIBRATION_STEPS)]
+    return [_timed(runner, step) for step in runner.calibration_steps()]
 
 
 def measure_model(args: argparse.Namespace, name: str) -> dict[str, Any]:
@@ -68,9 +66,9 @@ def measure_model(args: argparse.Namespace, name: str) -> dict[str, Any]:
         for config, r in progress(runners.items(), f"speed {name}: calibration", len(runners))
     }
     for runner in runners.values():  # warm-up
-        _timed(runner, MEASURED_STEP)
+        _timed(runner, runner.measured_step)
     times = interleaved(
-        args.rounds, list(runners), lambda c: _timed(runners[c], MEASURED_STEP),
+        args.rounds, list(runners), lambda c: _timed(runners[c], runners[c].measured_step),
         f"speed {name}: rounds",
     )  # fmt: skip
     # Calibration steps again after the rounds: the first three also build codecs (and on

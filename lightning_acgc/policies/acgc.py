@@ -16,8 +16,7 @@ error stays within E = target · e² · ‖g‖² / κ:
   added bit) bring Σ c_t·v_t(b_t) within E; the budget whole widths leave lowers a share
   of a tensor's values by one bit (``split``); a tensor at most 2/3 non-zero takes its
   width on its non-zeros only (``nonzero``, :mod:`~.acgc_nonzero`). Unbiased errors
-  average out over a weight op's fan-in: 2-bit quant at 14x has the error ``bounded``
-  reaches at 7x.
+  average out over a weight op's fan-in (2-bit quant at 14x: ``bounded``'s error at 7x).
 * ``codec="bounded"``: COMET-style |x − x̂| ≤ eb (variance ≤ eb²/3), each tensor's share
   of E in proportion to its size.
 
@@ -33,15 +32,16 @@ of the last ``history``; it falls at most 2x per reading) and jumps at once to t
 latest reading when a measurement exceeds e; until the first reading, the allocation
 aims at ``first_aim`` (1/16) of the budget. With ``bounded`` it tightens at once and
 loosens at most 2x per calibration (eb²/3 is a loose upper bound). A measurement above e
-is logged as ``tightened`` = 1. With ``verify=False`` the compressed pass's statistics
-set the following steps' settings and κ keeps its value. A noise-relative budget
-(``noise_ratio`` ρ): :mod:`~.acgc_noise`. Under 16-bit precision the error is read beyond
-the backward's own rounding noise (``rounding_floor``, :mod:`~.acgc_rounding`). A
-calibration whose gradients overflowed (inf or NaN: logged ``nonfinite``) is not read.
+is logged as ``tightened`` = 1; settings that measured over e, or a layer over its bound,
+calibrate again on the next step (up to 3 in a row), not left in force until the next
+scheduled calibration. With ``verify=False`` the compressed pass's statistics set the
+following steps' settings and κ keeps its value. Noise-relative budget (``noise_ratio``
+ρ): :mod:`~.acgc_noise`. Under 16-bit precision the error is read beyond the backward's
+own rounding noise (``rounding_floor``, :mod:`~.acgc_rounding`); a calibration whose
+gradients overflowed (inf or NaN: logged ``nonfinite``) is not read.
 
-Cost (``calib_ms``): the extra passes (exact, halves, probes, floor) and the policy's own
-statistics on a calibration step, host time; ``calib_share``: that over ``calibrate_every``
-ordinary steps (timed between :meth:`begin_step` and :meth:`end_step`).
+Cost (``calib_ms``): a calibration step's extra passes (exact, halves, probes, floor) and
+statistics, host time; ``calib_share``: that over ``calibrate_every`` ordinary steps.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ from lightning_acgc.policies.acgc_rounding import RoundingFloor
 from lightning_acgc.policies.acgc_state import ACGCState
 from lightning_acgc.policies.base import Reduce
 from lightning_acgc.policies.batch_norm_path import BatchNormPaths
-from lightning_acgc.policies.calibrating import CalibratingPolicy
+from lightning_acgc.policies.calibrating import BROKEN_RETRIES, CalibratingPolicy
 
 __all__ = ["ACGCPolicy"]
 
@@ -121,9 +121,8 @@ class ACGCPolicy(
             softmax, tanh or sigmoid output, e.g. attention) or ``"all"``.
         rounding_floor: under 16-bit precision, read each error beyond the gradient's own
             rounding noise (one more pass per calibration; :mod:`~.acgc_rounding`).
-        config: the codec and its backend: ``quant`` (default; per-tensor bit widths,
-            stochastic rounding) or ``bounded`` (error bounds), given as ``codec=`` when
-            built by name (``build_policy("acgc", codec="bounded")``).
+        config: the codec and its backend: ``quant`` (default; per-tensor widths, stochastic
+            rounding) or ``bounded`` (error bounds), ``codec=`` by name (``build_policy``).
 
     Example:
         >>> policy = ACGCPolicy(gradient_error=0.05, calibrate_every=50)
@@ -311,8 +310,9 @@ class ACGCPolicy(
             self._metrics["nonfinite"] = 1.0
             self.calibrate_again(step)
         elif self._exact is not None and g_sq > 0:
-            change = self._measure(g_sq, err_sq)
-            self._measure_layers(module_g, module_err, g_sq, change)
+            self._measure_layers(module_g, module_err, g_sq, self._measure(g_sq, err_sq))
+            if self.broke_promise():  # (settings over e are not left in force)
+                self.calibrate_again(step, BROKEN_RETRIES)
         elif self._exact is None and g_sq > 0:
             # cheap mode: settings for the next steps (module_g is the compressed gradient's)
             self._calibrate(grad_sq, g_sq, self._held_modules(module_g), reduce)

@@ -205,6 +205,21 @@ class ModelCorrections:
             if g > self.layer_floor * g_sq
         }
 
+    def broke_promise(self) -> bool:
+        """Whether this step's verified settings measured over e, or a layer over its
+        bound: acgc then calibrates again on the next step (up to ``BROKEN_RETRIES`` in a
+        row) instead of leaving them in force until the next scheduled calibration.
+
+        Example:
+            >>> from lightning_acgc.policies.acgc import ACGCPolicy
+            >>> policy = ACGCPolicy(gradient_error=0.05)
+            >>> policy._metrics = {"tightened": 0.0, "layer_budget_use": 1.3}
+            >>> policy.broke_promise()
+            True
+        """
+        m = self._metrics
+        return bool(m.get("tightened")) or m.get("layer_budget_use", 0.0) > 1.0
+
     def _measure_layers(
         self,
         module_g: dict[str, float],

@@ -17,9 +17,11 @@ from lightning_acgc.policies._schedule import is_calibration_step
 from lightning_acgc.policies.base import Policy, Reduce
 from lightning_acgc.policies.gradient_stats import GradientStats
 
-__all__ = ["MAX_RETRIES", "CalibratingPolicy"]
+__all__ = ["BROKEN_RETRIES", "MAX_RETRIES", "CalibratingPolicy"]
 
 MAX_RETRIES = 16  # steps in a row that calibrate again after one that overflowed
+# ... after one whose settings measured over their promise (acgc: global or per layer)
+BROKEN_RETRIES = 3
 
 
 class CalibratingPolicy(Policy):
@@ -38,6 +40,7 @@ class CalibratingPolicy(Policy):
         self._step_grads: dict[str, torch.Tensor] | None = None  # set_step_gradients'
         self._retry_from: int | None = None  # the last step that calibrate_again named
         self._retries = 0  # in a row, up to it
+        self._retry_limit = MAX_RETRIES  # the most in a row, set by calibrate_again
 
     def _codec(self, name: str, config_cls: type | None = None, **options: Any) -> Codec:
         """The codec ``name`` with ``options`` (built once, then reused). ``config_cls``:
@@ -84,15 +87,25 @@ class CalibratingPolicy(Policy):
 
     def is_calibration_step(self, step: int) -> bool:
         scheduled = is_calibration_step(step, self.calibrate_every, self.warmup_steps)
-        retry = self._retry_from is not None and self._retries <= MAX_RETRIES
-        return scheduled or (retry and step == self._retry_from + 1)
+        return scheduled or self.retries_at(step)
 
-    def calibrate_again(self, step: int) -> None:
-        """Step ``step``'s calibration could not be read (its gradients overflowed: fp16's
+    def retries_at(self, step: int) -> bool:
+        """Whether ``step`` calibrates again after the step before it (:meth:`calibrate_again`)."""
+        retry = self._retry_from is not None and self._retries <= self._retry_limit
+        return retry and step == self._retry_from + 1
+
+    def calibrate_again(self, step: int, limit: int = MAX_RETRIES) -> None:
+        """Calibrate on the step after ``step`` too, up to ``limit`` steps in a row: where
+        step ``step``'s calibration could not be read (its gradients overflowed: fp16's
         GradScaler skips such a step while it lowers its scale, often for the first steps
-        of a fit): calibrate on the next step too, up to ``MAX_RETRIES`` steps in a row."""
-        self._retries = self._retries + 1 if step - 1 == self._retry_from else 1
+        of a fit), and where its settings measured over their promise (``BROKEN_RETRIES``:
+        they would otherwise stay in force until the next scheduled calibration). The
+        count starts again at each scheduled calibration (the warm-up's too)."""
+        scheduled = is_calibration_step(step, self.calibrate_every, self.warmup_steps)
+        retried = step - 1 == self._retry_from and not scheduled
+        self._retries = self._retries + 1 if retried else 1
         self._retry_from = step
+        self._retry_limit = limit
 
     def setup(self, model: nn.Module) -> None:
         self.stats.setup(model)
