@@ -7,8 +7,9 @@ mode, small models with ``--quick``) and configuration:
 - ``saved_bytes`` / ``kept_bytes`` / ``ratio``: activations autograd saves in one plain
   training step (the engine's meter, nothing compressed) and what each configuration
   keeps instead. Policies first run their calibration steps (``CALIBRATION_STEPS``,
-  with the exact gradient where the policy verifies); the ordinary step after them is
-  measured. ``meter_saved_bytes`` / ``meter_ratio``: the meter's own count under
+  with the exact gradient where the policy verifies, and any acgc calibrates again after
+  a broken one: ``Runner.calibration_steps``); the ordinary step after them is measured.
+  ``meter_saved_bytes`` / ``meter_ratio``: the meter's own count under
   compression (what ``acgc/ratio`` logs). ``checkpoint`` (non-reentrant, per residual
   block, encoder layer or message-passing layer): the meter, plus the block inputs that
   checkpointing keeps.
