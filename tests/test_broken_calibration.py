@@ -16,10 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_acgc.engine import ActivationCompressor, EngineSettings
+from lightning_acgc.engine import ActivationCompressor
 from lightning_acgc.engine.step import compressed_step
 from lightning_acgc.policies.acgc import ACGCPolicy
 from lightning_acgc.policies.calibrating import BROKEN_RETRIES
+from tests._halves_runs import run_with_halves
 
 
 class _Broken(ACGCPolicy):
@@ -38,23 +39,14 @@ class _Broken(ACGCPolicy):
         return self.step in self.broken_at
 
 
-def _calibrated_steps(policy: ACGCPolicy, steps: int, model: nn.Module | None = None) -> list:
+def _calibrated_steps(policy: ACGCPolicy, steps: int) -> list[int]:
     torch.manual_seed(0)
-    model = model or nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
     x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
-    engine = ActivationCompressor(policy, model=model, settings=EngineSettings(min_numel=0))
-    engine.install()
-    policy.setup(model)
-    calibrated = []
-    try:
-        for step in range(steps):
-            model.zero_grad()
-            compressed_step(engine, model, lambda: F.cross_entropy(model(x), y), step)
-            if "grad_error" in policy.metrics():
-                calibrated.append(step)
-    finally:
-        engine.remove()
-    return calibrated
+    history = run_with_halves(
+        model, policy, steps, lambda _: (lambda: F.cross_entropy(model(x), y), None)
+    )
+    return [step for step, metrics in enumerate(history) if "grad_error" in metrics]
 
 
 @pytest.mark.parametrize(
