@@ -98,8 +98,20 @@ QUIET = [
     "trainer.enable_progress_bar=false",
     "trainer.enable_model_summary=false",
 ]
+FIXED2 = "compression=fixed compression.codec=quant compression.bits=2"
+ACGC = "compression=acgc"  # at its default
+DESCRIPTIONS = {  # what each of RECIPES trains, in a few words (README's glance)
+    "charlm": "char-level GPT 4x64, Python docs text, 125 AdamW steps",
+    "resnet": "ResNet-18 (1/8 width), digits, 3 epochs",
+    "bert": "BERT 2x64, generated order task, 3 epochs",
+    "bert_long": "the same BERT, 6 epochs",
+    "gnn": "GCN 2x64, generated 2000-node graph",
+    "llama": "Llama decoder 4x64, Python docs text, 250 steps",
+    "gpt2": "GPT-2 decoder 4x64, Python docs text, 250 steps",
+    "gpt2_long": "the same GPT-2, 500 steps",
+}
 DEFAULT_CONFIGS = [
-    "compression=fixed compression.codec=quant compression.bits=2",
+    FIXED2,
     "compression=fixed compression.codec=quant compression.bits=4",
     "compression=acgc compression.gradient_error=0.05",
     "compression=acgc compression.gradient_error=0.2",

@@ -86,8 +86,10 @@ class CalibratingPolicy(Policy):
         return self._calibrating
 
     def is_calibration_step(self, step: int) -> bool:
-        scheduled = is_calibration_step(step, self.calibrate_every, self.warmup_steps)
-        return scheduled or self.retries_at(step)
+        return self._scheduled(step) or self.retries_at(step)
+
+    def _scheduled(self, step: int) -> bool:
+        return is_calibration_step(step, self.calibrate_every, self.warmup_steps)
 
     def retries_at(self, step: int) -> bool:
         """Whether ``step`` calibrates again after the step before it (:meth:`calibrate_again`)."""
@@ -101,8 +103,7 @@ class CalibratingPolicy(Policy):
         of a fit), and where its settings measured over their promise (``BROKEN_RETRIES``:
         they would otherwise stay in force until the next scheduled calibration). The
         count starts again at each scheduled calibration (the warm-up's too)."""
-        scheduled = is_calibration_step(step, self.calibrate_every, self.warmup_steps)
-        retried = step - 1 == self._retry_from and not scheduled
+        retried = step - 1 == self._retry_from and not self._scheduled(step)
         self._retries = self._retries + 1 if retried else 1
         self._retry_from = step
         self._retry_limit = limit
