@@ -218,7 +218,13 @@ def test_acgc_remakes_the_dropped_probabilities_and_keeps_its_promise():
     dropped = [r for r in sites.values() if r.settings.startswith("dropout of")]
     assert len(dropped) == 1 and dropped[0].derived_from is not None
     assert 1.2 < dropped[0].gain < 1.45  # mean m² = 1/(1 − p) = 4/3
-    assert dropped[0].derived_from in policy.site_bits
+    # the probabilities are remade too (derive_softmax): from the query and its
+    # transpose (a view of it), which the policy allocates
+    probabilities = sites[dropped[0].derived_from]
+    assert probabilities.settings.startswith("softmax of")
+    roots = [probabilities.derived_from, *(k for k, _ in probabilities.also_from)]
+    stored = {sites[k].derived_from or k for k in roots}
+    assert stored and stored <= set(policy.site_bits), (stored, policy.site_bits)
     assert policy.metrics()["grad_error"] <= 0.1
 
 

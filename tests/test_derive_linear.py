@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_acgc import compress_activations
 from lightning_acgc.codecs.spec import CodecSpec
+from lightning_acgc.engine import recompute
 from lightning_acgc.engine.derive import Origin, derive_plan
 from lightning_acgc.engine.derive_linear import linear_gain, linear_output, made_by_linear
 from tests.test_derive import (
@@ -313,9 +314,12 @@ class _Products(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @pytest.mark.parametrize("low_peak", [False, True])
-def test_one_product_remade_for_the_three_parts_of_a_fused_projection(low_peak):
+def test_one_product_remade_for_the_three_parts_of_a_fused_projection(low_peak, monkeypatch):
     """q, k and v are three views of one product: remade once for the three, also with
-    ``low_peak`` (the input decoded again each time, to the same values)."""
+    ``low_peak`` (the input decoded again each time, to the same values). (The
+    probabilities stored: remade from q and k, under ``low_peak`` they would decode them,
+    and make the product, once more: test_derive_softmax.)"""
+    monkeypatch.setattr(recompute, "softmax_of_product", lambda base: False)
     torch.manual_seed(0)
     model, x = FusedAttention(), _x(shape=(4, 8, 16))
     plain, _ = _grads(model, x)

@@ -23,6 +23,7 @@ from lightning_acgc.engine import exact, sites
 from lightning_acgc.engine.checks import PendingChecks
 from lightning_acgc.engine.coalesce import Coalescer
 from lightning_acgc.engine.derive_dropout import without_history
+from lightning_acgc.engine.derive_softmax import SoftmaxChecks
 from lightning_acgc.engine.layout import compact
 from lightning_acgc.engine.ledger import (
     OOM_MESSAGE,
@@ -120,6 +121,7 @@ class ActivationCompressor(Recomputing):
         # oldest first: what is saved next may be made from them (exact.py, derive.py)
         self._recent: collections.deque = collections.deque(maxlen=48)  # of Recent
         self._products = ProductChoice()  # the products remade (recompute.py)
+        self._softmax_checks = SoftmaxChecks()  # the probabilities remade (recompute.py)
         self._site_hash: dict[str, int] = {}
         self._warned: set[str] = set()
         self._paused = 0
@@ -144,6 +146,7 @@ class ActivationCompressor(Recomputing):
         self._dedup.clear()
         self._recent.clear()
         self._products.forget()
+        self._softmax_checks.forget()
         self.inputs.clear()
         self._ledger.new_step()
         self._installed = False

@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_acgc.engine.derive_graph import Derivation, dense_order, mean_square, placed
+from lightning_acgc.engine.derive_graph import Derivation, dense_order, perturbation_gains, placed
 
 __all__ = ["ATTENTION_NODE", "attention_output", "fused_attention"]
 
@@ -49,9 +49,6 @@ Find = Callable[[object, str, bool], "tuple[bool, int | None]"]
 # projection of a norm's output run again (Llama's), a view of a product (GPT-2's split);
 # no unpack runs a chain of attentions back through the model
 MAX_DEPTH = 3
-# the perturbation a gain is measured with, relative to the root's root mean square (to
-# 1 for a root of zeros)
-PROBE_SCALE = 1e-3
 
 
 def fused_attention(base: torch.Tensor) -> bool:
@@ -88,10 +85,10 @@ def attention_output(saved: torch.Tensor, base: torch.Tensor, find: Find) -> Der
         with torch.no_grad():
             return place(attend(*values))
 
-    def gain(*values: torch.Tensor | None) -> tuple[float, float, float]:
+    def gain(*values: torch.Tensor | None) -> tuple[float, ...]:
         if any(v is None for v in values):  # (a mask packed losslessly: not at hand)
             return 1.0, 1.0, 1.0
-        return _gains(attend, values)  # type: ignore[arg-type]
+        return perturbation_gains(attend, values, (0, 1, 2))  # type: ignore[arg-type]
 
     sources = (*positions, *([mask_at] if has_mask else []))
     return Derivation(
@@ -102,25 +99,3 @@ def attention_output(saved: torch.Tensor, base: torch.Tensor, find: Find) -> Der
         roots=(0, 1, 2),
         max_depth=MAX_DEPTH,  # type: ignore[arg-type]
     )
-
-
-def _gains(
-    attend: Callable[..., torch.Tensor], values: tuple[torch.Tensor, ...]
-) -> tuple[float, float, float]:
-    """Per root (q, k, v): the output's mean square change over the variance of a small
-    Gaussian added to that root, in float32, from one fixed seed."""
-    with torch.no_grad():
-        wide = [v.detach().float() for v in values]
-        exact = attend(*wide)
-        generator = torch.Generator(device=exact.device).manual_seed(0)
-        out = []
-        for r in range(3):
-            x = wide[r]
-            rms = mean_square(x) ** 0.5
-            sigma = PROBE_SCALE * (rms if rms > 0 else 1.0)  # (a root of zeros: absolute)
-            noise = torch.randn(x.shape, generator=generator, device=x.device) * sigma
-            moved = attend(*wide[:r], x + noise, *wide[r + 1 :])
-            change = (moved - exact).double().square().reshape(-1)
-            change = change[torch.isfinite(change)]  # (a row masked whole: NaN)
-            out.append(float(change.mean()) / sigma**2 if change.numel() else 1.0)
-    return out[0], out[1], out[2]

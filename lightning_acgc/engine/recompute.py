@@ -15,6 +15,7 @@ from lightning_acgc.engine import derive, exact, extremum, sites
 from lightning_acgc.engine.derive_attention import Find, attention_output, fused_attention
 from lightning_acgc.engine.derive_graph import check_unchanged, placed
 from lightning_acgc.engine.derive_rotary import rotary, rotary_output
+from lightning_acgc.engine.derive_softmax import SoftmaxChecks, softmax_of_product, softmax_output
 from lightning_acgc.engine.derive_view import cast_plan, is_cast, view_plan
 from lightning_acgc.engine.meter import SiteRecord
 from lightning_acgc.engine.product_choice import ProductChoice
@@ -43,7 +44,9 @@ class Recomputing:
     """Mixin of :class:`~lightning_acgc.engine.compressor.ActivationCompressor`; uses its
     ``policy``, ``inputs``, ``_recent``, ``_dedup``, ``_keep`` and ``_record``. Whether the policy
     derives outputs is read at each save: the batch-size search swaps the policy for the
-    identity control for a while. ``_products`` holds which products are remade."""
+    identity control for a while. ``_products`` holds which products are remade,
+    ``_softmax_checks`` which attentions' probabilities were given back by their remaking
+    (derive_softmax)."""
 
     policy: Any
     inputs: Any  # the step's batch (engine/step_inputs.py)
@@ -51,6 +54,7 @@ class Recomputing:
     _dedup: dict[tuple, tuple[Any, weakref.ReferenceType]]
     _ledger: Any
     _products: ProductChoice
+    _softmax_checks: SoftmaxChecks
     _peeking: list | None = None  # the holders handed to the unpack hook (see _locator)
     stats: Any
     compress_loss: bool
@@ -150,7 +154,9 @@ class Recomputing:
         rotated = self.remake_products and not derivable and rotary(base)
         # a fused attention's output (derive_attention; a view of one saved: derive_view)
         attended = self.remake_products and not viewed and fused_attention(base)
-        candidate = derivable or another or rotated or attended
+        # an eager attention's probabilities (derive_softmax; a view of them: derive_view)
+        scored = self.remake_products and not viewed and softmax_of_product(base)
+        candidate = derivable or another or rotated or attended or scored
         if not candidate and not replays.candidate(site.module, t):
             return None
         if site.outside_every_module and not self.compress_loss:
@@ -166,6 +172,10 @@ class Recomputing:
             plan = rotary_output(t, base, origins, self._locator(recent, exact=False))
         if plan is None and attended:  # (derive_attention)
             plan = attention_output(t, base, self._finder(recent))
+        if plan is None and scored:  # (derive_softmax: once checked on a measuring step)
+            plan = softmax_output(t, base, self._finder(recent))
+            if plan is not None and not self._softmax_given_back(site.key, t, plan, recent):
+                plan = None
         if plan is None and viewed:  # another view of one saved (derive_view)
 
             def current(i: int, u: torch.Tensor) -> bool:  # u packed at this version
@@ -209,6 +219,19 @@ class Recomputing:
         if held:
             (rec.derived_from, rec.gain), rec.also_from = held[0], tuple(held[1:])
         return saved
+
+    def _softmax_given_back(
+        self, key: str, t: torch.Tensor, plan: derive.Derivation, recent: list[Recent]
+    ) -> bool:
+        """Whether site ``key``'s probabilities may be remade by ``plan``: checked
+        against ``t`` where the exact operands are at hand (a measuring step), else as
+        last checked (:class:`~lightning_acgc.engine.derive_softmax.SoftmaxChecks`)."""
+        entries = [recent[i] for i in plan.sources]
+        values = [_at_hand(e, e.source()) for e in entries]
+        if any(v is None for v in values):
+            return self._softmax_checks.passed(key)
+        kept = [] if plan.kept is None else [plan.kept]
+        return self._softmax_checks.check(key, lambda: plan.fn(*values, *kept), t)
 
     def _locator(self, recent: list[Recent], exact: bool = True) -> derive.Locate:
         """``locate(node, attr)`` for :func:`~lightning_acgc.engine.derive.derive_plan`:
