@@ -152,15 +152,18 @@ def test_the_probed_tensor_that_reaches_nothing_gets_fewer_bits() -> None:
 
 
 class _Attention(nn.Module):
-    """Single-head attention written out, so that it saves q, k, the probabilities and v."""
+    """Single-head attention written out, so that it saves q, k, the probabilities and v;
+    with a learned temperature, so that the probabilities are stored (not remade from q
+    and k: engine/derive_softmax.py) and probed."""
 
     def __init__(self, d: int) -> None:
         super().__init__()
         self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.temperature = nn.Parameter(torch.tensor(d**-0.5))
         self.drop = nn.Dropout(0.1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scores = self.q(x) @ self.k(x).transpose(1, 2) / x.shape[-1] ** 0.5
+        scores = self.q(x) @ self.k(x).transpose(1, 2) * self.temperature
         return self.drop(scores.softmax(-1)) @ self.v(x)
 
 

@@ -21,7 +21,8 @@ from tests.test_derive import Deriving, derived_matches_plain
 
 class EagerAttention(nn.Module):
     """Attention written out with an additive term on the scores: a padding mask of the
-    keys (``"padding"``: finfo.min where padded, as Hugging Face's eager BERT adds), a
+    keys (``"padding"``: finfo.min where padded, as Hugging Face's eager BERT adds;
+    ``"nothing"``: the same with no key padded), a
     finite bias that masks nothing (``"bias"``, ALiBi's kind), or every key of the last
     query row masked (``"row"``, filled with -1e9: that row comes out uniform)."""
 
@@ -35,9 +36,9 @@ class EagerAttention(nn.Module):
         q, k, v = self.qkv(x).view(b, t, 3, 2, 8).permute(2, 0, 3, 1, 4)
         scores = q @ k.transpose(-2, -1)
         scores = scores * self.scale if self.scale is not None else scores / math.sqrt(8)
-        if self.added == "padding":
+        if self.added in ("padding", "nothing"):
             keep = torch.ones(b, t, dtype=torch.bool)
-            keep[0, t // 2 :] = False
+            keep[0, t // 2 :] = self.added == "nothing"
             scores = scores + (~keep).float()[:, None, None, :] * torch.finfo(torch.float32).min
         elif self.added == "bias":
             positions = torch.arange(t, dtype=torch.float32)
@@ -77,6 +78,13 @@ def test_an_additive_padding_mask_is_kept_as_where_the_probabilities_are_zero():
     stats = derived_matches_plain(EagerAttention("padding"), _inputs())
     (remade,) = _remade(stats)
     assert remade.packed_bytes == math.ceil(3 * 2 * 12 * 12 / 8)  # 1 bit a probability
+
+
+def test_an_additive_mask_that_masks_nothing_costs_nothing():
+    torch.manual_seed(0)
+    stats = derived_matches_plain(EagerAttention("nothing"), _inputs())
+    (remade,) = _remade(stats)
+    assert remade.packed_bytes == 0
 
 
 @pytest.mark.parametrize("added", ["bias", "row"])

@@ -23,7 +23,6 @@ from lightning_acgc.engine import exact, sites
 from lightning_acgc.engine.checks import PendingChecks
 from lightning_acgc.engine.coalesce import Coalescer
 from lightning_acgc.engine.derive_dropout import without_history
-from lightning_acgc.engine.derive_softmax import SoftmaxChecks
 from lightning_acgc.engine.layout import compact
 from lightning_acgc.engine.ledger import (
     OOM_MESSAGE,
@@ -34,7 +33,6 @@ from lightning_acgc.engine.ledger import (
 )
 from lightning_acgc.engine.meter import LOSS_HALF, CompressionStats, SiteRecord
 from lightning_acgc.engine.policy import Policy
-from lightning_acgc.engine.product_choice import ProductChoice
 from lightning_acgc.engine.recompute import Recomputing
 from lightning_acgc.engine.saved import Saved
 from lightning_acgc.engine.seeds import site_seed
@@ -120,8 +118,7 @@ class ActivationCompressor(Recomputing):
         # the tensors saved last and what the engine returned (None: the tensor itself),
         # oldest first: what is saved next may be made from them (exact.py, derive.py)
         self._recent: collections.deque = collections.deque(maxlen=48)  # of Recent
-        self._products = ProductChoice()  # the products remade (recompute.py)
-        self._softmax_checks = SoftmaxChecks()  # the probabilities remade (recompute.py)
+        self._start_remaking()  # which products and probabilities are remade (recompute.py)
         self._site_hash: dict[str, int] = {}
         self._warned: set[str] = set()
         self._paused = 0
@@ -145,8 +142,7 @@ class ActivationCompressor(Recomputing):
         self._small.close("engine removed")
         self._dedup.clear()
         self._recent.clear()
-        self._products.forget()
-        self._softmax_checks.forget()
+        self._start_remaking()
         self.inputs.clear()
         self._ledger.new_step()
         self._installed = False

@@ -18,11 +18,12 @@ the probabilities' shape, a multiplication or division by a one-element constant
 scale), ``masked_fill`` with a mask whose holder gives it back exactly (filled with
 ``-inf``), and the addition of a tensor that needs no gradient (an additive mask), which
 the graph does not keep: where ``p`` is exactly 0 is kept instead, 1 bit a value, and
-filled with ``-inf``. What a step did to the values is not all on the graph (a fill value,
-an added bias that is not a mask, a row masked whole), so a site's probabilities are
-remade only after a check: on a measuring step, where the saved operands are at hand,
-the remaking from them must give the saved ``p`` back (:class:`SoftmaxChecks`; checked
-again on each measuring step).
+filled with ``-inf`` (nothing where no probability is 0: a batch with no padding).
+What a step did to the values is not all on the graph (a fill value, an added bias that
+is not a mask, a row masked whole), so a site's probabilities are remade only after a
+check: on a measuring step, where the saved operands are at hand, the remaking from them
+must give the saved ``p`` back (:class:`SoftmaxChecks`; checked again on each measuring
+step).
 
 Example:
     >>> q, kt = torch.randn(6, 8, 4), torch.randn(6, 4, 8)
@@ -116,7 +117,7 @@ def softmax_output(saved: torch.Tensor, base: torch.Tensor, find: Find) -> Deriv
         return None
     ops: list[Callable[..., torch.Tensor]] = []
     sources: list[int] = [*operands]  # type: ignore[list-item]
-    zeros = None
+    zeros: torch.Tensor | bool | None = None  # (False: no probability is 0)
     for kind, node in steps:
         if kind == "view":
             ops.append(lambda s, *_: s.reshape(base.shape))
@@ -128,8 +129,11 @@ def softmax_output(saved: torch.Tensor, base: torch.Tensor, find: Find) -> Deriv
             sources.append(at)
         elif kind == ADD_NODE:  # the added tensor: where p is 0 kept instead
             if zeros is None:
-                zeros = mask_pack(base.detach().eq(0).reshape(-1))
-            ops.append(_fill_zeros(base.shape))
+                zero = base.detach().eq(0)
+                masked = bool(zero.any())  # (else the step adds 0 where it matters)
+                zeros = mask_pack(zero.reshape(-1)) if masked else False
+            if zeros is not False:
+                ops.append(_fill_zeros(base.shape))
         else:
             scale = _constant(node, find)
             if scale is None:
@@ -154,7 +158,8 @@ def softmax_output(saved: torch.Tensor, base: torch.Tensor, find: Find) -> Deriv
             return 1.0, 1.0
         return perturbation_gains(probabilities, values, (0, 1))  # type: ignore[arg-type]
 
-    return Derivation(fn, tuple(sources), "softmax", gain, zeros, (0, 1), max_depth=MAX_DEPTH)
+    kept = zeros if isinstance(zeros, torch.Tensor) else None
+    return Derivation(fn, tuple(sources), "softmax", gain, kept, (0, 1), max_depth=MAX_DEPTH)
 
 
 def _constant(node: Any, find: Find) -> float | None:
@@ -226,6 +231,3 @@ class SoftmaxChecks:
             ok = False
         self._passed[key] = bool(ok)
         return bool(ok)
-
-    def forget(self) -> None:
-        self._passed.clear()

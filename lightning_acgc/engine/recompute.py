@@ -61,6 +61,12 @@ class Recomputing:
     low_peak: bool
     remake_products: bool
 
+    def _start_remaking(self) -> None:
+        """No product chosen, no site's probabilities checked (a new engine, or one
+        removed)."""
+        self._products = ProductChoice()
+        self._softmax_checks = SoftmaxChecks()
+
     def _keep(self, *args: Any, **kwargs: Any) -> Saved:
         raise NotImplementedError
 
