@@ -279,6 +279,8 @@ def test_acgc_models_gpt2_s_dense_layers() -> None:
             r for k, r in cb.stats.sites.items() if k.startswith(f"net.transformer.h.{i}.attn:")
         ]
         assert sum(r.settings.startswith("linear of") for r in attention) == 3
+        # the eager attention's probabilities: remade from q and k (derive_softmax)
+        assert sum(r.settings.startswith("softmax of") for r in attention) == 1
     # GPT-2's NewGELUActivation, op by op: the tanh, 0.5·x and 1 + tanh it saves and its
     # output (the MLP's c_proj input) remade by running it again (engine/replay.py)
     remade = [k for k, r in cb.stats.sites.items() if "NewGELUActivation run again" in r.settings]
@@ -316,3 +318,5 @@ def test_acgc_reads_another_library_s_rms_norm_as_a_norm() -> None:
         # the rotated query and key, saved by q·kᵀ: remade from q_proj's and k_proj's
         # input and the rotation's tables (derive_rotary)
         assert sum(r.settings.startswith("rotary of linear") for r in views) == 2
+        # and the probabilities remade from those (derive_softmax), their view with them
+        assert sum(r.settings.startswith("softmax of") for r in views) == 1
