@@ -231,3 +231,26 @@ def test_hugging_face_eager_bert_with_padding():
     assert len(remade) == 2 and all(
         r.packed_bytes == math.ceil(3 * 2 * 16 * 16 / 8) for r in remade
     )
+
+
+def test_under_bf16_autocast():
+    """The char-LM's attention (bf16 scores, bf16 probabilities) and a float32 softmax of
+    bf16 scores, as Hugging Face's eager Llama takes it (``softmax(s, dtype=float32)``)."""
+    torch.manual_seed(0)
+    model = CausalSelfAttention(hidden_size=16, num_heads=2, max_seq_len=12)
+    stats = derived_matches_plain(model, _inputs(), autocast=True)
+    assert len(_remade(stats)) == 1
+
+    class Float32Softmax(CausalSelfAttention):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, t, c = x.shape
+            q, k, v = self.qkv(x).view(b, t, 3, 2, c // 2).permute(2, 0, 3, 1, 4)
+            scores = (q @ k.transpose(-2, -1)) * (2 / c) ** 0.5
+            p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            return self.proj((p @ v).transpose(1, 2).reshape(b, t, c))
+
+    torch.manual_seed(0)
+    model = Float32Softmax(hidden_size=16, num_heads=2, max_seq_len=12)
+    stats = derived_matches_plain(model, _inputs(), autocast=True)
+    (remade,) = _remade(stats)
+    assert remade.dtype == "float32"

@@ -15,10 +15,12 @@ derivative at that point.
 
 The steps between the product and the softmax that are read off the graph: one view to
 the probabilities' shape, a multiplication or division by a one-element constant (the
-scale), ``masked_fill`` with a mask whose holder gives it back exactly (filled with
-``-inf``), and the addition of a tensor that needs no gradient (an additive mask), which
-the graph does not keep: where ``p`` is exactly 0 is kept instead, 1 bit a value, and
-filled with ``-inf`` (nothing where no probability is 0: a batch with no padding).
+scale), a cast to the probabilities' dtype right before the softmax (bf16 scores under
+autocast, softmax taken in float32), ``masked_fill`` with a mask whose holder gives it
+back exactly (filled with ``-inf``), and the addition of a tensor that needs no gradient
+(an additive mask), which the graph does not keep: where ``p`` is exactly 0 is kept
+instead, 1 bit a value, and filled with ``-inf`` (nothing where no probability is 0: a
+batch with no padding).
 What a step did to the values is not all on the graph (a fill value, an added bias that
 is not a mask, a row masked whole), so a site's probabilities are remade only after a
 check: on a measuring step, where the saved operands are at hand, the remaking from them
@@ -60,6 +62,7 @@ VIEW_NODES = frozenset({"UnsafeViewBackward0", "ViewBackward0"})
 SCALE_NODES = {"MulBackward0": torch.mul, "DivBackward0": torch.div}
 MASKED_FILL_NODE = "MaskedFillBackward0"
 ADD_NODE = "AddBackward0"
+CAST_NODE = "ToCopyBackward0"
 MAX_STEPS = 6  # steps read between the softmax and the product, at most
 # the deepest remaking the operands may be (Derivation.max_depth): a query of a Linear's
 # output of a LayerNorm's output remade (the char-LM's)
@@ -84,6 +87,8 @@ def _steps(base: torch.Tensor) -> tuple[list[tuple[str, Any]], Any] | None:
         edges = inner.next_functions
         if kind in VIEW_NODES:
             steps.append(("view", inner))
+        elif kind == CAST_NODE and not steps:  # (the softmax's input cast to its dtype)
+            steps.append(("cast", inner))
         elif kind == MASKED_FILL_NODE and len(edges) == 1:
             steps.append(("masked_fill", inner))
         elif kind in SCALE_NODES or kind == ADD_NODE:
@@ -121,6 +126,8 @@ def softmax_output(saved: torch.Tensor, base: torch.Tensor, find: Find) -> Deriv
     for kind, node in steps:
         if kind == "view":
             ops.append(lambda s, *_: s.reshape(base.shape))
+        elif kind == "cast":
+            ops.append(lambda s, *_: s.to(base.dtype))
         elif kind == "masked_fill":
             has, at = find(node, "_saved_mask", True)
             if not has or at is None:
@@ -147,7 +154,7 @@ def softmax_output(saved: torch.Tensor, base: torch.Tensor, find: Find) -> Deriv
         s = torch.bmm(values[0], values[1])
         for op in ops:
             s = op(s, *values)
-        return torch.softmax(s.reshape(base.shape), dim)
+        return torch.softmax(s.reshape(base.shape), dim, dtype=base.dtype)  # (bf16 in: f32)
 
     def fn(*values: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
