@@ -22,7 +22,8 @@ from tests.test_derive import Deriving, derived_matches_plain
 class EagerAttention(nn.Module):
     """Attention written out with an additive term on the scores: a padding mask of the
     keys (``"padding"``: finfo.min where padded, as Hugging Face's eager BERT adds;
-    ``"nothing"``: the same with no key padded), a
+    ``"nothing"``: the same with no key padded; ``"left"``: causal, one sequence's first
+    three keys padded), a
     finite bias that masks nothing (``"bias"``, ALiBi's kind), or every key of the last
     query row masked (``"row"``, filled with -1e9: that row comes out uniform)."""
 
@@ -40,6 +41,10 @@ class EagerAttention(nn.Module):
             keep = torch.ones(b, t, dtype=torch.bool)
             keep[0, t // 2 :] = self.added == "nothing"
             scores = scores + (~keep).float()[:, None, None, :] * torch.finfo(torch.float32).min
+        elif self.added == "left":
+            seen = torch.ones(t, t, dtype=torch.bool).tril().repeat(b, 1, 1)
+            seen[0, :, :3] = False  # three pad tokens first: rows 0-2 see nothing
+            scores = scores + (~seen).float()[:, None] * torch.finfo(torch.float32).min
         elif self.added == "bias":
             positions = torch.arange(t, dtype=torch.float32)
             scores = scores + -0.1 * (positions[:, None] - positions[None, :]).abs()
@@ -77,7 +82,17 @@ def test_an_additive_padding_mask_is_kept_as_where_the_probabilities_are_zero():
     torch.manual_seed(0)
     stats = derived_matches_plain(EagerAttention("padding"), _inputs())
     (remade,) = _remade(stats)
-    assert remade.packed_bytes == math.ceil(3 * 2 * 12 * 12 / 8)  # 1 bit a probability
+    assert remade.packed_bytes == math.ceil(3 * 2 * 12 * 13 / 8)  # 1 bit a value and a row
+
+
+def test_a_causal_mask_with_left_padding_masks_rows_whole():
+    """A decoder's left padding (Hugging Face's causal mask plus the padding, finfo.min
+    added): the first queries of a padded sequence see no key, their rows come out
+    uniform, and are remade so."""
+    torch.manual_seed(0)
+    stats = derived_matches_plain(EagerAttention("left"), _inputs())
+    (remade,) = _remade(stats)
+    assert remade.packed_bytes == math.ceil(3 * 2 * 12 * 13 / 8)
 
 
 def test_an_additive_mask_that_masks_nothing_costs_nothing():
@@ -229,7 +244,7 @@ def test_hugging_face_eager_bert_with_padding():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     remade = _remade(stats)
     assert len(remade) == 2 and all(
-        r.packed_bytes == math.ceil(3 * 2 * 16 * 16 / 8) for r in remade
+        r.packed_bytes == math.ceil(3 * 2 * 16 * 17 / 8) for r in remade
     )
 
 

@@ -19,10 +19,10 @@ scale), a cast to the probabilities' dtype right before the softmax (bf16 scores
 autocast, softmax taken in float32), ``masked_fill`` with a mask whose holder gives it
 back exactly (filled with ``-inf``), and the addition of a tensor that needs no gradient
 (an additive mask), which the graph does not keep: where ``p`` is exactly 0 is kept
-instead, 1 bit a value, and filled with ``-inf`` (nothing where no probability is 0: a
-batch with no padding).
+instead, 1 bit a value, and filled with ``-inf``, and the rows it covered whole (uniform:
+a decoder's left padding), 1 bit a row, filled with 0 (nothing where there is neither).
 What a step did to the values is not all on the graph (a fill value, an added bias that
-is not a mask, a row masked whole), so a site's probabilities are remade only after a
+is not a mask), so a site's probabilities are remade only after a
 check: on a measuring step, where the saved operands are at hand, the remaking from them
 must give the saved ``p`` back (:class:`SoftmaxChecks`; checked again on each measuring
 step).
@@ -122,7 +122,9 @@ def softmax_output(saved: torch.Tensor, base: torch.Tensor, find: Find) -> Deriv
         return None
     ops: list[Callable[..., torch.Tensor]] = []
     sources: list[int] = [*operands]  # type: ignore[list-item]
-    zeros: torch.Tensor | bool | None = None  # (False: no probability is 0)
+    dim = int(base.grad_fn._saved_dim)  # type: ignore[union-attr]
+    dim = dim - 2**64 if dim >= 2**63 else dim  # (a negative dim, read back unsigned)
+    added: tuple[torch.Tensor | None, Callable[..., torch.Tensor] | None] | None = None
     for kind, node in steps:
         if kind == "view":
             ops.append(lambda s, *_: s.reshape(base.shape))
@@ -134,20 +136,15 @@ def softmax_output(saved: torch.Tensor, base: torch.Tensor, find: Find) -> Deriv
                 return None
             ops.append(_fill_at(len(sources)))
             sources.append(at)
-        elif kind == ADD_NODE:  # the added tensor: where p is 0 kept instead
-            if zeros is None:
-                zero = base.detach().eq(0)
-                masked = bool(zero.any())  # (else the step adds 0 where it matters)
-                zeros = mask_pack(zero.reshape(-1)) if masked else False
-            if zeros is not False:
-                ops.append(_fill_zeros(base.shape))
+        elif kind == ADD_NODE:  # the added tensor: what it masked kept instead
+            added = added or _added_mask(base, dim)
+            if added[1] is not None:
+                ops.append(added[1])
         else:
             scale = _constant(node, find)
             if scale is None:
                 return None
             ops.append(_scaled(SCALE_NODES[kind], scale))
-    dim = int(base.grad_fn._saved_dim)  # type: ignore[union-attr]
-    dim = dim - 2**64 if dim >= 2**63 else dim  # (a negative dim, read back unsigned)
     place = placed(saved, base)
 
     def probabilities(*values: torch.Tensor) -> torch.Tensor:
@@ -165,7 +162,7 @@ def softmax_output(saved: torch.Tensor, base: torch.Tensor, find: Find) -> Deriv
             return 1.0, 1.0
         return perturbation_gains(probabilities, values, (0, 1))  # type: ignore[arg-type]
 
-    kept = zeros if isinstance(zeros, torch.Tensor) else None
+    kept = None if added is None else added[0]
     return Derivation(fn, tuple(sources), "softmax", gain, kept, (0, 1), max_depth=MAX_DEPTH)
 
 
@@ -195,12 +192,38 @@ def _fill_at(position: int) -> Callable[..., torch.Tensor]:
     return fill
 
 
-def _fill_zeros(shape: torch.Size) -> Callable[..., torch.Tensor]:
-    def fill(s: torch.Tensor, *values: torch.Tensor) -> torch.Tensor:
-        zero = mask_unpack(values[-1], shape.numel()).view(shape)
-        return s.reshape(shape).masked_fill(zero, float("-inf"))
+def _added_mask(
+    base: torch.Tensor, dim: int
+) -> tuple[torch.Tensor | None, Callable[..., torch.Tensor] | None]:
+    """What stands for an added mask (the graph does not keep it), read off the
+    probabilities ``base``: where they are 0 (filled with -inf) and the rows it covered
+    whole (a large negative number added to every score, finfo.min as Hugging Face's: each
+    such row comes out uniform; filled with 0), packed at 1 bit a value and a row, and the
+    step that applies them; (None, None) where neither is there.
 
-    return fill
+    Example:
+        >>> p = torch.tensor([[0.5, 0.5, 0.0], [1 / 3, 1 / 3, 1 / 3]])
+        >>> kept, step = _added_mask(p, -1)
+        >>> kept.numel(), step(torch.ones(2, 3), kept)
+        (1, tensor([[1., 1., -inf],
+                [0., 0., 0.]]))
+    """
+    p = base.detach()
+    zero = p.eq(0)
+    uniform = torch.softmax(torch.zeros(p.shape[dim], dtype=p.dtype, device=p.device), 0)[0]
+    rows = p.amax(dim, keepdim=True).eq(uniform)  # (max 1/n: every value 1/n)
+    if not (bool(zero.any()) or bool(rows.any())):
+        return None, None  # (the step adds 0 where it matters)
+    kept = mask_pack(torch.cat([zero.reshape(-1), rows.reshape(-1)]))
+    shape, row_shape = zero.shape, rows.shape  # (no tensor held: only the packed bits)
+    numel = shape.numel()
+
+    def fill(s: torch.Tensor, *values: torch.Tensor) -> torch.Tensor:
+        bits = mask_unpack(values[-1], numel + row_shape.numel())
+        s = s.reshape(shape).masked_fill(bits[:numel].view(shape), float("-inf"))
+        return s.masked_fill(bits[numel:].view(row_shape), 0.0)
+
+    return kept, fill
 
 
 class SoftmaxChecks:
