@@ -27,7 +27,9 @@ measured 0.16-0.27 against e = 0.5.
 A softmax's saved output is the exception: where a module directly inside the module
 that saved it goes ``SOFTMAX_ALARM`` times over its budget through δ, the probabilities
 of that softmax in every block are stored as float16 at least for the rest of the fit
-(``SOFTMAX_FLOOR``).
+(``SOFTMAX_FLOOR``). (Only where they are stored: an eager attention's probabilities
+over a product of its query and key are remade from those, see
+:mod:`lightning_acgc.engine.derive_softmax`.)
 """
 
 from __future__ import annotations
