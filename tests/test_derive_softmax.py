@@ -6,6 +6,7 @@ the remaking gives them back."""
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -269,3 +270,43 @@ def test_under_bf16_autocast():
     stats = derived_matches_plain(model, _inputs(), autocast=True)
     (remade,) = _remade(stats)
     assert remade.dtype == "float32"
+
+
+def test_the_probabilities_are_freed_before_backward_on_an_ordinary_step():
+    """What the plan holds is shapes, the holders and the mask bits, never the
+    probabilities themselves (else they would stay alive as plain autograd keeps them)."""
+    import gc
+    import weakref
+
+    from lightning_acgc.engine import ActivationCompressor
+
+    class FirstStepMeasures(Deriving):
+        measuring = True
+
+    torch.manual_seed(0)
+    model = EagerAttention("padding")
+    policy = FirstStepMeasures(CodecSpec("quant", {"bits": 8}))
+    engine = ActivationCompressor(policy, model=model)
+    engine.install()
+    made: list[weakref.ref] = []
+    softmax = torch.Tensor.softmax
+
+    def recorded(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        out = softmax(self, *args, **kwargs)
+        made.append(weakref.ref(out))
+        return out
+
+    try:
+        for step in range(2):
+            policy.measuring = step == 0  # (a measuring step holds its last saves)
+            made.clear()
+            engine.new_step(step)
+            with mock.patch.object(torch.Tensor, "softmax", recorded), engine.scope() as stats:
+                out = model(_inputs())
+            gc.collect()
+            assert _remade(stats)
+            if step == 1:
+                assert made and made[0]() is None
+            out.sum().backward()
+    finally:
+        engine.remove()

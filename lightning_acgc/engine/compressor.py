@@ -142,7 +142,7 @@ class ActivationCompressor(Recomputing):
         self._small.close("engine removed")
         self._dedup.clear()
         self._recent.clear()
-        self._start_remaking()
+        self._forget_remaking()
         self.inputs.clear()
         self._ledger.new_step()
         self._installed = False

@@ -52,6 +52,7 @@ import torch
 
 from lightning_acgc.engine.derive_attention import Find
 from lightning_acgc.engine.derive_graph import Derivation, perturbation_gains, placed
+from lightning_acgc.engine.layout_chain import node_int
 from lightning_acgc.kernels.mask import mask_pack, mask_unpack
 
 __all__ = ["SOFTMAX_NODE", "SoftmaxChecks", "softmax_of_product", "softmax_output"]
@@ -122,14 +123,14 @@ def softmax_output(saved: torch.Tensor, base: torch.Tensor, find: Find) -> Deriv
         return None
     ops: list[Callable[..., torch.Tensor]] = []
     sources: list[int] = [*operands]  # type: ignore[list-item]
-    dim = int(base.grad_fn._saved_dim)  # type: ignore[union-attr]
-    dim = dim - 2**64 if dim >= 2**63 else dim  # (a negative dim, read back unsigned)
+    dim = node_int(base.grad_fn._saved_dim)  # type: ignore[union-attr]
+    shape, dtype = base.shape, base.dtype  # (the closures hold these, never ``base``)
     added: tuple[torch.Tensor | None, Callable[..., torch.Tensor] | None] | None = None
     for kind, node in steps:
         if kind == "view":
-            ops.append(lambda s, *_: s.reshape(base.shape))
+            ops.append(lambda s, *_: s.reshape(shape))
         elif kind == "cast":
-            ops.append(lambda s, *_: s.to(base.dtype))
+            ops.append(lambda s, *_: s.to(dtype))
         elif kind == "masked_fill":
             has, at = find(node, "_saved_mask", True)
             if not has or at is None:
@@ -151,7 +152,7 @@ def softmax_output(saved: torch.Tensor, base: torch.Tensor, find: Find) -> Deriv
         s = torch.bmm(values[0], values[1])
         for op in ops:
             s = op(s, *values)
-        return torch.softmax(s.reshape(base.shape), dim, dtype=base.dtype)  # (bf16 in: f32)
+        return torch.softmax(s.reshape(shape), dim, dtype=dtype)  # (bf16 in: f32)
 
     def fn(*values: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -261,3 +262,7 @@ class SoftmaxChecks:
             ok = False
         self._passed[key] = bool(ok)
         return bool(ok)
+
+    def forget(self) -> None:
+        """Drop every verdict (the engine is removed; the next fit checks again)."""
+        self._passed.clear()

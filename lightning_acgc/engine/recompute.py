@@ -62,10 +62,14 @@ class Recomputing:
     remake_products: bool
 
     def _start_remaking(self) -> None:
-        """No product chosen, no site's probabilities checked (a new engine, or one
-        removed)."""
+        """No product chosen, no site's probabilities checked (a new engine)."""
         self._products = ProductChoice()
         self._softmax_checks = SoftmaxChecks()
+
+    def _forget_remaking(self) -> None:
+        """Drop the choices and verdicts (the engine removed: the next fit makes them)."""
+        self._products.forget()
+        self._softmax_checks.forget()
 
     def _keep(self, *args: Any, **kwargs: Any) -> Saved:
         raise NotImplementedError
