@@ -321,3 +321,22 @@ def test_attribution_prose_quotes_the_committed_experiments() -> None:
     assert f"only to {bits(scaled1)} and {bits(scaled0)} bits" in text
     s1, s0 = final_norm(scaled1), final_norm(scaled0)
     assert f"({both('.2f', s1['worst_layer'], s0['worst_layer'], 'x')})" in text
+
+
+def test_first_speed_run_prose_quotes_the_committed_experiment() -> None:
+    """The "Time on a CPU" paragraph's figures of the first speed run at 73a8a47 (the
+    run before the one under Results, same code and host) are the committed line of
+    ``experiments/speed_73a8a47_first_run.jsonl``."""
+    text = " ".join(README_PATH.read_text().split())
+    (line,) = (RESULTS / "experiments" / "speed_73a8a47_first_run.jsonl").read_text().splitlines()
+    models = json.loads(line)["models"]
+
+    def ratio(model: str, config: str = "acgc", key: str = "vs_plain") -> str:
+        return f"{models[model]['configs'][config][key]:.2f}x"
+
+    resnet, bert = ratio("resnet50_imagenet"), ratio("bert_base")
+    amortized = [ratio(m, key="amortized_vs_plain") for m in ("resnet50_imagenet", "bert_base")]
+    assert f"measured {resnet} and {bert} (amortized {amortized[0]} and {amortized[1]})" in text
+    assert f"{ratio('gcn_256')} on the GCN, {ratio('resnet18')} on ResNet-18" in text
+    quant = [ratio(m, "quant2") for m in ("resnet50_imagenet", "bert_base")]
+    assert f"with fixed 2-bit at {quant[0]} and {quant[1]} against" in text
